@@ -1,0 +1,1 @@
+"""The ``budgetq`` command line: thin wrappers over producer/, worker/ and simulator/."""

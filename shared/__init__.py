@@ -1,0 +1,1 @@
+"""budgetq's common package: config, Redis keys, budget scripts, job/result schema."""

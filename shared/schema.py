@@ -1,0 +1,60 @@
+"""Job payloads (producer -> worker) and output rows (worker -> collector), as JSON."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int = Field(gt=0)
+    temperature: float = 0.7
+    top_p: float = 1.0
+
+
+class JobPayload(BaseModel):
+    """What one RQ job carries. Holds no secret: workers know the server and its key."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    dataset: str
+    messages: list[Message]
+    sampling: SamplingParams
+
+
+class ResultRow(BaseModel):
+    """One line of out/<dataset>.jsonl (SpecForge-compatible ``conversations``)."""
+
+    id: str
+    dataset: str
+    conversations: list[Message]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | str
+    model: str
+    endpoint: str
+    latency_s: float
+
+
+def stable_id(row: dict[str, Any]) -> str:
+    """A prompt id from the row's content, stable across runs and machines."""
+    blob = json.dumps(row, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def safe_job_id(dataset: str, prompt_id: str) -> str:
+    """RQ job ids allow only letters, digits, '_' and '-': encode anything else."""
+    clean = "".join(c if c.isalnum() or c in "_-" else "_" for c in prompt_id)
+    if clean != prompt_id or len(clean) > 100:
+        clean = clean[:60] + "-" + hashlib.sha256(prompt_id.encode()).hexdigest()[:16]
+    return f"{dataset}-{clean}"

@@ -1,0 +1,37 @@
+"""Parse token counts written by people: ``10M``, ``2.5k``, ``10_000_000``."""
+
+import re
+
+_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "b": 1_000_000_000}
+_PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([kmgb]?)\s*$", re.IGNORECASE)
+
+
+def parse_tokens(value: int | float | str) -> int:
+    """Return a whole number of tokens; raise ValueError naming the bad value."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a token count: {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"not a whole token count: {value!r}")
+        number = int(value)
+    else:
+        match = _PATTERN.match(str(value))
+        if not match:
+            raise ValueError(f"not a token count: {value!r} (use e.g. 10M, 2.5k, 10_000_000)")
+        scaled = float(match.group(1).replace("_", "")) * _SUFFIX[match.group(2).lower()]
+        if not scaled.is_integer():
+            raise ValueError(f"not a whole token count: {value!r}")
+        number = int(scaled)
+    if number < 0:
+        raise ValueError(f"token count must be >= 0: {value!r}")
+    return number
+
+
+def format_tokens(n: int) -> str:
+    """Short human form: 10000000 -> '10.00M'."""
+    for div, suffix in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(n)

@@ -1,0 +1,1 @@
+"""An SGLang-compatible HTTP server with a continuous-batching capacity model, for no-GPU runs."""

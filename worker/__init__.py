@@ -1,0 +1,1 @@
+"""budgetq worker: pulls per-prompt RQ jobs and keeps N SGLang requests in flight."""

@@ -1,0 +1,139 @@
+"""The concurrent worker: up to N RQ jobs in flight in one asyncio process.
+
+Blocking RQ bookkeeping runs in a thread (``asyncio.to_thread``) so it never stalls the
+event loop; budget scripts use redis.asyncio; all requests share one aiohttp session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import traceback
+import uuid
+
+import aiohttp
+import redis
+import redis.asyncio as aredis
+from pydantic import ValidationError
+
+from shared import keys
+from shared.budget import AsyncBudget
+from shared.config import Config
+from shared.schema import JobPayload
+from worker import rq_adapter
+from worker.process import process_prompt
+from worker.sglang_client import SGLangClient
+
+log = logging.getLogger("budgetq.worker")
+POP_TIMEOUT_S = 1
+
+
+class ConcurrentWorker:
+    def __init__(self, cfg: Config, concurrency: int, burst: bool = False, grace_s: float = 30.0) -> None:
+        self.cfg = cfg
+        self.concurrency = concurrency
+        self.burst = burst
+        self.grace_s = grace_s
+        self.name = f"budgetq-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.conn = redis.Redis.from_url(cfg.redis_url)
+        self._stop = asyncio.Event()
+        self._rotation = 0
+        self.in_flight_peak = 0
+        self.processed = 0
+
+    def _queue_keys(self) -> list[str]:
+        names = sorted(n.decode() for n in self.conn.smembers(keys.DATASETS))
+        if not names:
+            return []
+        # Rotate the order each pop: BLPOP checks keys in order, so this gives round-robin.
+        self._rotation = (self._rotation + 1) % len(names)
+        names = names[self._rotation:] + names[: self._rotation]
+        return [f"rq:queue:{keys.queue_name(n)}" for n in names]
+
+    def _pop(self) -> str | None:
+        qkeys = self._queue_keys()
+        if not qkeys:
+            return None
+        if self.burst:
+            for k in qkeys:
+                if (job_id := self.conn.lpop(k)) is not None:
+                    return job_id.decode()
+            return None
+        got = self.conn.blpop(qkeys, timeout=POP_TIMEOUT_S)
+        return got[1].decode() if got else None
+
+    async def _handle(self, job_id: str, budget: AsyncBudget, client: SGLangClient) -> None:
+        job = await asyncio.to_thread(rq_adapter.fetch, self.conn, job_id)
+        if job is None:
+            log.warning("job %s vanished before it ran; skipped", job_id)
+            return
+        execution = await asyncio.to_thread(rq_adapter.mark_started, self.conn, job, self.name,
+                                            self.cfg.worker.heartbeat_ttl_s)
+        try:
+            payload = JobPayload.model_validate(job.args[0])
+            result = await process_prompt(payload, job.id, budget, client)
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.to_thread(rq_adapter.requeue, self.conn, job, execution))
+            raise
+        except (Exception, ValidationError) as exc:
+            ds = job.origin.removeprefix(keys.QUEUE_PREFIX)
+            log.warning("job %s failed: %s", job.id, exc)
+            await asyncio.to_thread(self._fail, job, execution, ds, traceback.format_exc())
+            return
+        ds = payload.dataset
+        # committed/skipped/duplicate are counted inside the Lua scripts; these two here.
+        if result["status"] == "already_done" or result.get("reason") == "paused":
+            extra = "already_done" if result["status"] == "already_done" else "paused"
+            await asyncio.to_thread(self.conn.hincrby, keys.stats_key(ds), extra, 1)
+        await asyncio.to_thread(rq_adapter.mark_finished, self.conn, job, execution, result, self.name)
+        self.processed += 1
+
+    def _fail(self, job, execution, ds: str, exc_string: str) -> None:
+        rq_adapter.mark_failed(self.conn, job, execution, exc_string, self.name)
+        self.conn.hincrby(keys.stats_key(ds), "failed", 1)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        aconn = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
+            self.cfg.redis_url, max_connections=max(16, self.concurrency // 4)))
+        budget = AsyncBudget(aconn)
+        rq_worker = await asyncio.to_thread(rq_adapter.register_worker, self.conn, self.name, [])
+        tasks: set[asyncio.Task] = set()
+        connector = aiohttp.TCPConnector(limit=0)
+        log.info("worker %s: %d in flight max, servers %s", self.name, self.concurrency, self.cfg.server.urls)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as session:
+                client = SGLangClient(session, self.cfg.server)
+                while not self._stop.is_set():
+                    if len(tasks) >= self.concurrency:
+                        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                        continue
+                    job_id = await asyncio.to_thread(self._pop)
+                    if job_id is None:
+                        if self.burst and not tasks:
+                            break
+                        if self.burst:
+                            await asyncio.wait(tasks, timeout=0.05)
+                        continue
+                    t = asyncio.create_task(self._handle(job_id, budget, client))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                    self.in_flight_peak = max(self.in_flight_peak, len(tasks))
+                if tasks:
+                    log.info("worker %s: stopping, waiting up to %.0fs for %d jobs", self.name,
+                             self.grace_s, len(tasks))
+                    _done, pending = await asyncio.wait(tasks, timeout=self.grace_s)
+                    for t in pending:
+                        t.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            await asyncio.to_thread(rq_worker.register_death)
+            await aconn.aclose()
+        log.info("worker %s: exited after %d jobs (peak %d in flight)", self.name, self.processed,
+                 self.in_flight_peak)
+        return 0
