@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+
+from shared.config import load_config
+from shared.errors import ConfigError
+from shared.tokens import parse_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("text,value", [("10M", 10_000_000), ("2.5k", 2500), ("10_000_000", 10_000_000),
+                                        (123, 123), ("1g", 1_000_000_000), (" 7 ", 7)])
+def test_budget_strings_parse(text, value):
+    assert parse_tokens(text) == value
+
+
+@pytest.mark.parametrize("bad", ["ten", "1.5", "-3", "5x", True, 2.5])
+def test_bad_budget_strings_are_rejected_with_the_value(bad):
+    with pytest.raises(ValueError, match="token count"):
+        parse_tokens(bad)
+
+
+def test_example_config_documents_every_field():
+    cfg = load_config(ROOT / "examples" / "budgetq.yaml", env={})
+    ds = cfg.datasets[0]
+    assert ds.budget == 10_000_000 and ds.messages_field == "messages" and ds.prior_mean == 3793
+    assert cfg.server.api == "chat" and cfg.high_water == 4 * cfg.worker.concurrency
+    assert ds.path == (ROOT / "examples" / "data" / "b2.jsonl")
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_bad_value_error_names_field_and_value(tmp_path):
+    p = _write(tmp_path, "datasets:\n  - name: X\n    path: x.jsonl\n    budget: lots\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, env={})
+    assert "datasets.0.budget" in str(e.value) and "lots" in str(e.value)
+
+
+def test_unknown_field_is_named(tmp_path):
+    p = _write(tmp_path, "server:\n  urlz: [http://x]\n")
+    with pytest.raises(ConfigError, match="server.urlz"):
+        load_config(p, env={})
+
+
+def test_bad_api_and_url_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="server.api"):
+        load_config(_write(tmp_path, "server:\n  api: grpc\n"), env={})
+    with pytest.raises(ConfigError, match="ftp://x"):
+        load_config(_write(tmp_path, "server:\n  urls: [ftp://x]\n"), env={})
+
+
+def test_duplicate_dataset_names_rejected(tmp_path):
+    p = _write(tmp_path, "datasets:\n  - {name: A, path: a, budget: 1k}\n  - {name: A, path: b, budget: 1k}\n")
+    with pytest.raises(ConfigError, match="'A' appears twice"):
+        load_config(p, env={})
+
+
+def test_env_overrides_file_and_flags_override_env(tmp_path):
+    p = _write(tmp_path, "redis_url: redis://file:1/0\nserver:\n  urls: [http://file:1]\n")
+    env = {"BUDGETQ_REDIS_URL": "redis://env:2/0", "BUDGETQ_SERVER_URLS": "http://a:1, http://b:2/",
+           "BUDGETQ_API_KEY": "sekrit"}
+    cfg = load_config(p, env=env)
+    assert cfg.redis_url == "redis://env:2/0"
+    assert cfg.server.urls == ["http://a:1", "http://b:2"]
+    assert cfg.server.api_key == "sekrit" and "sekrit" not in repr(cfg.server)
+    cfg = load_config(p, {("redis_url",): "redis://flag:3/0"}, env=env)
+    assert cfg.redis_url == "redis://flag:3/0"
+
+
+def test_missing_file_and_bad_yaml_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml", env={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "a: [1,\n"), env={})
