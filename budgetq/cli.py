@@ -62,8 +62,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         prefix, _, mean = item.partition("=")
         means[prefix] = float(mean)
     settings = SimSettings(max_running_requests=args.max_running_requests, peak_tok_s=args.peak_tok_s,
-                           length_mean=args.length_mean, length_means=means, speedup=args.speedup,
-                           error_rate=args.error_rate, seed=args.seed)
+                           length_mean=args.length_mean, length_sigma=args.length_sigma, length_means=means,
+                           speedup=args.speedup, error_rate=args.error_rate, seed=args.seed)
 
     async def main() -> None:
         runner = await start_sim(settings, args.host, args.port)
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--peak-tok-s", type=float, default=20_000.0)
     sp.add_argument("--length-mean", type=float, default=1500.0)
     sp.add_argument("--length-mean-for", action="append", metavar="RID_PREFIX=MEAN")
+    sp.add_argument("--length-sigma", type=float, default=0.8, help="lognormal sigma of lengths")
     sp.add_argument("--speedup", type=float, default=1.0)
     sp.add_argument("--error-rate", type=float, default=0.0)
     sp.add_argument("--seed", type=int, default=0)

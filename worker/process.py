@@ -13,8 +13,20 @@ WAIT_POLL_S = 0.05
 
 
 async def process_prompt(payload: JobPayload, job_id: str, budget: AsyncBudget,
-                         client: SGLangClient) -> dict:
-    """Run one job; returns a small JSON-able outcome (it becomes the RQ job's result)."""
+                         client: SGLangClient, slots: asyncio.Semaphore | None = None) -> dict:
+    """Run one job; returns a small JSON-able outcome (it becomes the RQ job's result).
+
+    ``slots`` bounds requests at the server; it is held from reservation to response only,
+    so RQ bookkeeping before and after never leaves a server slot idle.
+    """
+    if slots is None:
+        return await _reserve_and_send(payload, job_id, budget, client)
+    async with slots:
+        return await _reserve_and_send(payload, job_id, budget, client)
+
+
+async def _reserve_and_send(payload: JobPayload, job_id: str, budget: AsyncBudget,
+                            client: SGLangClient) -> dict:
     ds = payload.dataset
     while True:
         res = await budget.reserve(ds, job_id, payload.sampling.max_tokens)

@@ -1,18 +1,20 @@
 """The concurrent worker: up to N RQ jobs in flight in one asyncio process.
 
-Blocking RQ bookkeeping runs in a thread (``asyncio.to_thread``) so it never stalls the
+Blocking RQ bookkeeping runs in a small thread pool so it never stalls the
 event loop; budget scripts use redis.asyncio; all requests share one aiohttp session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
 import socket
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import redis
@@ -43,6 +45,14 @@ class ConcurrentWorker:
         self._rotation = 0
         self.in_flight_peak = 0
         self.processed = 0
+        # Jobs fetched and marked started ahead of a free server slot, so the slot refills at once.
+        self.prefetch = concurrency // 4 + 4
+        self._slots = asyncio.Semaphore(concurrency)
+        # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bq-rq")
+
+    async def _sync(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def _queue_keys(self) -> list[str]:
         names = sorted(n.decode() for n in self.conn.smembers(keys.DATASETS))
@@ -66,29 +76,29 @@ class ConcurrentWorker:
         return got[1].decode() if got else None
 
     async def _handle(self, job_id: str, budget: AsyncBudget, client: SGLangClient) -> None:
-        job = await asyncio.to_thread(rq_adapter.fetch, self.conn, job_id)
+        job = await self._sync(rq_adapter.fetch, self.conn, job_id)
         if job is None:
             log.warning("job %s vanished before it ran; skipped", job_id)
             return
-        execution = await asyncio.to_thread(rq_adapter.mark_started, self.conn, job, self.name,
+        execution = await self._sync(rq_adapter.mark_started, self.conn, job, self.name,
                                             self.cfg.worker.heartbeat_ttl_s)
         try:
             payload = JobPayload.model_validate(job.args[0])
-            result = await process_prompt(payload, job.id, budget, client)
+            result = await process_prompt(payload, job.id, budget, client, self._slots)
         except asyncio.CancelledError:
-            await asyncio.shield(asyncio.to_thread(rq_adapter.requeue, self.conn, job, execution))
+            await asyncio.shield(self._sync(rq_adapter.requeue, self.conn, job, execution))
             raise
         except (Exception, ValidationError) as exc:
             ds = job.origin.removeprefix(keys.QUEUE_PREFIX)
             log.warning("job %s failed: %s", job.id, exc)
-            await asyncio.to_thread(self._fail, job, execution, ds, traceback.format_exc())
+            await self._sync(self._fail, job, execution, ds, traceback.format_exc())
             return
         ds = payload.dataset
         # committed/skipped/duplicate are counted inside the Lua scripts; these two here.
         if result["status"] == "already_done" or result.get("reason") == "paused":
             extra = "already_done" if result["status"] == "already_done" else "paused"
-            await asyncio.to_thread(self.conn.hincrby, keys.stats_key(ds), extra, 1)
-        await asyncio.to_thread(rq_adapter.mark_finished, self.conn, job, execution, result, self.name)
+            await self._sync(self.conn.hincrby, keys.stats_key(ds), extra, 1)
+        await self._sync(rq_adapter.mark_finished, self.conn, job, execution, result, self.name)
         self.processed += 1
 
     def _fail(self, job, execution, ds: str, exc_string: str) -> None:
@@ -102,7 +112,7 @@ class ConcurrentWorker:
         aconn = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
             self.cfg.redis_url, max_connections=max(16, self.concurrency // 4)))
         budget = AsyncBudget(aconn)
-        rq_worker = await asyncio.to_thread(rq_adapter.register_worker, self.conn, self.name, [])
+        rq_worker = await self._sync(rq_adapter.register_worker, self.conn, self.name, [])
         tasks: set[asyncio.Task] = set()
         connector = aiohttp.TCPConnector(limit=0)
         log.info("worker %s: %d in flight max, servers %s", self.name, self.concurrency, self.cfg.server.urls)
@@ -110,10 +120,10 @@ class ConcurrentWorker:
             async with aiohttp.ClientSession(connector=connector) as session:
                 client = SGLangClient(session, self.cfg.server)
                 while not self._stop.is_set():
-                    if len(tasks) >= self.concurrency:
+                    if len(tasks) >= self.concurrency + self.prefetch:
                         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                         continue
-                    job_id = await asyncio.to_thread(self._pop)
+                    job_id = await self._sync(self._pop)
                     if job_id is None:
                         if self.burst and not tasks:
                             break
@@ -123,7 +133,7 @@ class ConcurrentWorker:
                     t = asyncio.create_task(self._handle(job_id, budget, client))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
-                    self.in_flight_peak = max(self.in_flight_peak, len(tasks))
+                    self.in_flight_peak = max(self.in_flight_peak, self.concurrency - self._slots._value)
                 if tasks:
                     log.info("worker %s: stopping, waiting up to %.0fs for %d jobs", self.name,
                              self.grace_s, len(tasks))
@@ -132,8 +142,9 @@ class ConcurrentWorker:
                         t.cancel()
                     await asyncio.gather(*pending, return_exceptions=True)
         finally:
-            await asyncio.to_thread(rq_worker.register_death)
+            await self._sync(rq_worker.register_death)
             await aconn.aclose()
+            self._pool.shutdown(wait=False)
         log.info("worker %s: exited after %d jobs (peak %d in flight)", self.name, self.processed,
                  self.in_flight_peak)
         return 0

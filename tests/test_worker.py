@@ -1,0 +1,79 @@
+"""Worker behaviour: N in flight in one process, and a stock `rq worker` runs the same job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import yaml
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from shared import keys
+from shared.budget import dataset_state, register_dataset
+from shared.config import DatasetConfig, load_config
+from shared.schema import JobPayload, Message, SamplingParams
+from worker.runner import ConcurrentWorker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _enqueue(conn, n: int, ds: str = "D", budget: int = 10**9) -> None:
+    register_dataset(conn, DatasetConfig(name=ds, path="x", budget=budget, max_tokens=4000, prior_mean_tokens=10))
+    q = Queue(keys.queue_name(ds), connection=conn, serializer=JSONSerializer)
+    for i in range(n):
+        p = JobPayload(id=f"p{i}", dataset=ds, messages=[Message(role="user", content=f"q{i}")],
+                       sampling=SamplingParams(max_tokens=4000))
+        q.enqueue("worker.job.run_prompt", p.model_dump(mode="json"), job_id=f"{ds}-p{i}")
+
+
+def _cfg(tmp_path, redis_url, sim) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"redis_url": redis_url, "server": {"urls": [sim]}}))
+    return path
+
+
+def test_one_worker_process_holds_concurrency_in_flight(tmp_path, redis_url, conn, sim_factory):
+    # Long responses so that requests overlap; the simulator reports how many run at once.
+    # Each request lasts ~2 s, so 64 in flight need ~32 job starts/s from this process.
+    sim = sim_factory("--speedup", "4", "--length-mean", "2000", "--length-sigma", "0.1",
+                      "--max-running-requests", "512")
+    _enqueue(conn, 200)
+    w = ConcurrentWorker(load_config(_cfg(tmp_path, redis_url, sim), env={}), concurrency=64, burst=True)
+    samples: list[int] = []
+
+    async def sample() -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            stats = await asyncio.to_thread(lambda: json.loads(urllib.request.urlopen(sim + "/sim/stats").read()))
+            samples.append(stats["running"])
+
+    async def main() -> None:
+        s = asyncio.create_task(sample())
+        await w.run()
+        s.cancel()
+
+    asyncio.run(main())
+    assert w.processed == 200 and w.in_flight_peak <= 64
+    steady = samples[len(samples) // 4: len(samples) // 2]
+    print("in-flight samples", samples)
+    assert max(samples) == 64 and min(steady) >= 60
+    st = dataset_state(conn, "D")
+    assert st.stats["committed"] == 200 and st.reserved == 0
+
+
+def test_stock_rq_worker_runs_the_same_job_function(tmp_path, redis_url, conn, sim_factory):
+    sim = sim_factory("--speedup", "500", "--length-mean", "20")
+    _enqueue(conn, 3)
+    env = dict(os.environ, BUDGETQ_CONFIG=str(_cfg(tmp_path, redis_url, sim)))
+    subprocess.run([sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", redis_url, "--serializer",
+                    "rq.serializers.JSONSerializer", "--worker-class", "rq.SimpleWorker", keys.queue_name("D")],
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=60)
+    st = dataset_state(conn, "D")
+    assert st.stats["committed"] == 3 and conn.xlen(keys.results_key("D")) == 3
+    assert st.used == st.stats["sum_tokens"] > 0
