@@ -128,7 +128,7 @@ def dataset_state(client: redis.Redis, name: str) -> DatasetState:
     pipe.hgetall(keys.stats_key(name))
     conf, used, reserved, in_flight, stats = pipe.execute()
     conf = {_text(k): _text(v) for k, v in conf.items()}
-    stats_i = {_text(k): int(v) for k, v in stats.items()}
+    stats_i = {_text(k): int(float(v)) for k, v in stats.items()}
     return DatasetState(
         name=name, limit=int(conf.get("limit", 0)), mode=conf.get("mode", "soft"),
         paused=conf.get("paused") == "1", used=int(used or 0), reserved=int(reserved or 0),

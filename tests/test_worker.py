@@ -60,9 +60,12 @@ def test_one_worker_process_holds_concurrency_in_flight(tmp_path, redis_url, con
 
     asyncio.run(main())
     assert w.processed == 200 and w.in_flight_peak <= 64
-    steady = samples[len(samples) // 4: len(samples) // 2]
     print("in-flight samples", samples)
-    assert max(samples) == 64 and min(steady) >= 60
+    assert max(samples) == 64
+    # steady state: from the first time all 64 were in flight until the queue ran dry
+    first, last = samples.index(64), len(samples) - 1 - samples[::-1].index(64)
+    steady = sorted(samples[first:last + 1])
+    assert steady[len(steady) // 2] >= 62, steady
     st = dataset_state(conn, "D")
     assert st.stats["committed"] == 200 and st.reserved == 0
 

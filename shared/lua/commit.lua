@@ -17,5 +17,6 @@ end
 local used = redis.call('INCRBY', KEYS[2], tokens)
 redis.call('HINCRBY', KEYS[6], 'committed', 1)
 redis.call('HINCRBY', KEYS[6], 'sum_tokens', tokens)
+redis.call('HINCRBYFLOAT', KEYS[6], 'sum_sq_tokens', tokens * tokens)
 redis.call('XADD', KEYS[7], '*', 'id', job, 'ds', ARGV[4], 'row', ARGV[3])
 return {'COMMITTED', used}

@@ -40,15 +40,23 @@ else
     redis.call('HINCRBY', KEYS[6], 'skipped', 1)
     return {'EXHAUSTED', 0}
   end
-  local stats = redis.call('HMGET', KEYS[6], 'committed', 'sum_tokens')
+  local stats = redis.call('HMGET', KEYS[6], 'committed', 'sum_tokens', 'sum_sq_tokens')
   local n = tonumber(stats[1] or '0')
   -- Short answers finish first, so an early running mean is biased low: never reserve
-  -- below the configured prior (issue 4 refines this estimate).
-  est = tonumber(conf[4] or '1')
+  -- below the configured prior.
+  local mean = tonumber(conf[4] or '1')
+  local cv2 = 0
   if n > 0 then
-    local mean = math.ceil(tonumber(stats[2] or '0') / n)
-    if mean > est then est = mean end
+    local m = tonumber(stats[2] or '0') / n
+    if m > mean then mean = m end
+    if n > 1 then
+      cv2 = (tonumber(stats[3] or '0') / n - m * m) / (m * m)
+      if cv2 < 0 then cv2 = 0 end
+    end
   end
+  -- Requests still in flight are length-biased (the long ones are the ones left running):
+  -- their expected length is mean * (1 + cv^2), the inspection paradox, so reserve that.
+  est = math.ceil(mean * (1 + cv2))
   if est > max_tokens then est = max_tokens end
   if est < 1 then est = 1 end
   -- Fill the tail: with nothing in flight and budget left, always admit one.
