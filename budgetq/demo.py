@@ -6,29 +6,16 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
-from budgetq.local_redis import LocalRedis, free_port
+from budgetq.localhost import LocalRedis, free_port, wait_http
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Mean response lengths per dataset, like the seed's (the simulator keys them on the job id).
 MEANS = {"A1": 1577, "B2": 3793, "C1": 2000}
 
-
-def _wait_http(url: str, timeout_s: float = 15.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64) -> int:
@@ -51,7 +38,7 @@ def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64) -> 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen(sim_args, env=env)]
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health")
+        wait_http(f"http://127.0.0.1:{port}/health")
         procs += [subprocess.Popen([*py, "worker", "-c", str(cfg_path), "--concurrency", str(concurrency)], env=env)
                   for _ in range(workers)]
         rc = subprocess.call([*py, "produce", "-c", str(cfg_path)], env=env)

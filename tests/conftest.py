@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 
-from budgetq.local_redis import LocalRedis, free_port
+from budgetq.localhost import LocalRedis, free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,16 +34,6 @@ def conn(redis_url) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
-def _wait_http(url: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
-
 
 @pytest.fixture
 def sim_factory():
@@ -58,7 +46,7 @@ def sim_factory():
                               "--port", str(port), *extra], cwd=ROOT, env=dict(os.environ))
         procs.append(p)
         url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/health")
+        wait_http(url + "/health")
         return url
 
     yield start

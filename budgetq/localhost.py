@@ -1,4 +1,4 @@
-"""Start a private redis-server on a free port in a temp dir (demo and tests)."""
+"""Local helpers for the demo and tests: free ports, a private redis-server, waiting on HTTP."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 
 import redis
 
@@ -17,6 +18,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float = 15.0) -> None:
+    """Poll ``url`` until it answers (a server we just started)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise BudgetqError(f"{url} did not come up within {timeout_s:.0f} s")
 
 
 class LocalRedis:
