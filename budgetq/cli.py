@@ -120,7 +120,11 @@ def _set_conf(args: argparse.Namespace, field: str, value: str) -> int:
 
 
 def cmd_budget_set(args: argparse.Namespace) -> int:
-    return _set_conf(args, "limit", str(parse_tokens(args.tokens)))
+    try:
+        tokens = parse_tokens(args.tokens)
+    except ValueError as exc:
+        raise BudgetqError(f"budget for {args.dataset}: {exc}") from None
+    return _set_conf(args, "limit", str(tokens))
 
 
 def cmd_pause(args: argparse.Namespace) -> int:

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import redis
 import redis.asyncio as aredis
-from pydantic import ValidationError
 
 from shared import keys
 from shared.budget import AsyncBudget
@@ -88,7 +87,7 @@ class ConcurrentWorker:
         except asyncio.CancelledError:
             await asyncio.shield(self._sync(rq_adapter.requeue, self.conn, job, execution))
             raise
-        except (Exception, ValidationError) as exc:
+        except Exception as exc:  # a bad payload or response fails this prompt only
             ds = job.origin.removeprefix(keys.QUEUE_PREFIX)
             log.warning("job %s failed: %s", job.id, exc)
             await self._sync(self._fail, job, execution, ds, traceback.format_exc())
