@@ -80,3 +80,32 @@ def test_stock_rq_worker_runs_the_same_job_function(tmp_path, redis_url, conn, s
     st = dataset_state(conn, "D")
     assert st.stats["committed"] == 3 and conn.xlen(keys.results_key("D")) == 3
     assert st.used == st.stats["sum_tokens"] > 0
+
+
+def test_leases_of_long_requests_are_extended_while_they_run(tmp_path, redis_url, conn, sim_factory):
+    # 3 jobs of ~5 s each against a 3 s lease: without heartbeats RQ would see them abandoned.
+    sim = sim_factory("--speedup", "1", "--length-mean", "3000", "--length-sigma", "0.01",
+                      "--peak-tok-s", "20000")
+    _enqueue(conn, 3)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"redis_url": redis_url, "server": {"urls": [sim]},
+                                    "worker": {"heartbeat_ttl_s": 3}}))
+    w = ConcurrentWorker(load_config(path, env={}), concurrency=8, burst=True)
+    q = Queue(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
+    expired: list[int] = []
+
+    async def watch() -> None:
+        import time
+        while True:
+            await asyncio.sleep(0.5)
+            entries = await asyncio.to_thread(conn.zrange, q.started_job_registry.key, 0, -1, withscores=True)
+            expired.extend(1 for _m, score in entries if score < time.time())
+
+    async def main() -> None:
+        t = asyncio.create_task(watch())
+        await w.run()
+        t.cancel()
+
+    asyncio.run(main())
+    assert w.processed == 3 and not expired
+    assert q.finished_job_registry.get_job_count(cleanup=False) == 3

@@ -74,3 +74,17 @@ def requeue(conn: redis.Redis, job: Job, execution: Execution) -> None:
         job.set_status(JobStatus.QUEUED, pipeline=pipe)
         pipe.lpush(Queue(job.origin, connection=conn).key, job.id)
         pipe.execute()
+
+
+def heartbeat(conn: redis.Redis, worker: Worker, in_flight: list[tuple[Job, Execution]], ttl_s: int) -> None:
+    """Extend the leases of every job in flight and of the worker itself, in one round trip.
+
+    Without this a request longer than the lease (long generations often are) would look
+    abandoned to RQ's maintenance and be failed while it is still running.
+    """
+    with conn.pipeline() as pipe:
+        for job, execution in in_flight:
+            execution.heartbeat(job.started_job_registry, ttl_s, pipe)
+            job.heartbeat(now(), ttl_s, pipeline=pipe, xx=True)
+        worker.heartbeat(ttl_s + 60, pipeline=pipe)
+        pipe.execute()

@@ -47,6 +47,7 @@ class ConcurrentWorker:
         # Jobs fetched and marked started ahead of a free server slot, so the slot refills at once.
         self.prefetch = concurrency // 4 + 4
         self._slots = asyncio.Semaphore(concurrency)
+        self._running: dict[str, tuple] = {}  # job id -> (job, execution), for heartbeats
         # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bq-rq")
 
@@ -81,6 +82,7 @@ class ConcurrentWorker:
             return
         execution = await self._sync(rq_adapter.mark_started, self.conn, job, self.name,
                                             self.cfg.worker.heartbeat_ttl_s)
+        self._running[job.id] = (job, execution)
         try:
             payload = JobPayload.model_validate(job.args[0])
             result = await process_prompt(payload, job.id, budget, client, self._slots)
@@ -92,6 +94,8 @@ class ConcurrentWorker:
             log.warning("job %s failed: %s", job.id, exc)
             await self._sync(self._fail, job, execution, ds, traceback.format_exc())
             return
+        finally:
+            self._running.pop(job.id, None)
         ds = payload.dataset
         # committed/skipped/duplicate are counted inside the Lua scripts; these two here.
         if result["status"] == "already_done" or result.get("reason") == "paused":
@@ -104,6 +108,15 @@ class ConcurrentWorker:
         rq_adapter.mark_failed(self.conn, job, execution, exc_string, self.name)
         self.conn.hincrby(keys.stats_key(ds), "failed", 1)
 
+    async def _heartbeats(self, rq_worker) -> None:
+        ttl = self.cfg.worker.heartbeat_ttl_s
+        while True:
+            await asyncio.sleep(max(1.0, ttl / 3))
+            try:
+                await self._sync(rq_adapter.heartbeat, self.conn, rq_worker, list(self._running.values()), ttl)
+            except redis.RedisError as exc:
+                log.warning("worker %s: heartbeat failed: %s", self.name, exc)
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,6 +126,7 @@ class ConcurrentWorker:
         budget = AsyncBudget(aconn)
         rq_worker = await self._sync(rq_adapter.register_worker, self.conn, self.name, [])
         tasks: set[asyncio.Task] = set()
+        beat = asyncio.create_task(self._heartbeats(rq_worker))
         connector = aiohttp.TCPConnector(limit=0)
         log.info("worker %s: %d in flight max, servers %s", self.name, self.concurrency, self.cfg.server.urls)
         try:
@@ -141,6 +155,7 @@ class ConcurrentWorker:
                         t.cancel()
                     await asyncio.gather(*pending, return_exceptions=True)
         finally:
+            beat.cancel()
             await self._sync(rq_worker.register_death)
             await aconn.aclose()
             self._pool.shutdown(wait=False)
