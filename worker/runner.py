@@ -32,6 +32,24 @@ log = logging.getLogger("budgetq.worker")
 POP_TIMEOUT_S = 1
 
 
+class _Slots(asyncio.Semaphore):
+    """The server-slot semaphore, also counting how many are held (and the peak)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.held = 0
+        self.peak = 0
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+        self.held += 1
+        self.peak = max(self.peak, self.held)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.held -= 1
+        self.release()
+
+
 class ConcurrentWorker:
     def __init__(self, cfg: Config, concurrency: int, burst: bool = False, grace_s: float = 30.0) -> None:
         self.cfg = cfg
@@ -42,14 +60,18 @@ class ConcurrentWorker:
         self.conn = redis.Redis.from_url(cfg.redis_url)
         self._stop = asyncio.Event()
         self._rotation = 0
-        self.in_flight_peak = 0
         self.processed = 0
         # Jobs fetched and marked started ahead of a free server slot, so the slot refills at once.
         self.prefetch = concurrency // 4 + 4
-        self._slots = asyncio.Semaphore(concurrency)
+        self._slots = _Slots(concurrency)
         self._running: dict[str, tuple] = {}  # job id -> (job, execution), for heartbeats
         # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bq-rq")
+
+    @property
+    def in_flight_peak(self) -> int:
+        """Most requests this process had at the server at once."""
+        return self._slots.peak
 
     async def _sync(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
@@ -81,7 +103,7 @@ class ConcurrentWorker:
             log.warning("job %s vanished before it ran; skipped", job_id)
             return
         execution = await self._sync(rq_adapter.mark_started, self.conn, job, self.name,
-                                            self.cfg.worker.heartbeat_ttl_s)
+                                     self.cfg.worker.heartbeat_ttl_s)
         self._running[job.id] = (job, execution)
         try:
             payload = JobPayload.model_validate(job.args[0])
@@ -146,7 +168,6 @@ class ConcurrentWorker:
                     t = asyncio.create_task(self._handle(job_id, budget, client))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
-                    self.in_flight_peak = max(self.in_flight_peak, self.concurrency - self._slots._value)
                 if tasks:
                     log.info("worker %s: stopping, waiting up to %.0fs for %d jobs", self.name,
                              self.grace_s, len(tasks))
