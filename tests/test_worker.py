@@ -32,9 +32,9 @@ def _enqueue(conn, n: int, ds: str = "D", budget: int = 10**9) -> None:
         q.enqueue("worker.job.run_prompt", p.model_dump(mode="json"), job_id=f"{ds}-p{i}")
 
 
-def _cfg(tmp_path, redis_url, sim) -> Path:
+def _cfg(tmp_path, redis_url, sim, **extra) -> Path:
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump({"redis_url": redis_url, "server": {"urls": [sim]}}))
+    path.write_text(yaml.safe_dump({"redis_url": redis_url, "server": {"urls": [sim]}, **extra}))
     return path
 
 
@@ -87,9 +87,7 @@ def test_leases_of_long_requests_are_extended_while_they_run(tmp_path, redis_url
     sim = sim_factory("--speedup", "1", "--length-mean", "3000", "--length-sigma", "0.01",
                       "--peak-tok-s", "20000")
     _enqueue(conn, 3)
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump({"redis_url": redis_url, "server": {"urls": [sim]},
-                                    "worker": {"heartbeat_ttl_s": 3}}))
+    path = _cfg(tmp_path, redis_url, sim, worker={"heartbeat_ttl_s": 3})
     w = ConcurrentWorker(load_config(path, env={}), concurrency=8, burst=True)
     q = Queue(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
     expired: list[int] = []
