@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from worker.sglang_client import SGLangClient
 
 log = logging.getLogger("budgetq.worker")
 POP_TIMEOUT_S = 1
+DATASETS_REFRESH_S = 1.0
 
 
 class _Slots(asyncio.Semaphore):
@@ -60,6 +62,8 @@ class ConcurrentWorker:
         self.conn = redis.Redis.from_url(cfg.redis_url)
         self._stop = asyncio.Event()
         self._rotation = 0
+        self._names: list[str] = []
+        self._names_read_at = float("-inf")
         self.processed = 0
         # Jobs fetched and marked started ahead of a free server slot, so the slot refills at once.
         self.prefetch = concurrency // 4 + 4
@@ -77,7 +81,11 @@ class ConcurrentWorker:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def _queue_keys(self) -> list[str]:
-        names = sorted(n.decode() for n in self.conn.smembers(keys.DATASETS))
+        # The dataset list changes rarely: re-read it once a second, not on every pop.
+        if time.monotonic() - self._names_read_at > DATASETS_REFRESH_S:
+            self._names = sorted(n.decode() for n in self.conn.smembers(keys.DATASETS))
+            self._names_read_at = time.monotonic()
+        names = self._names
         if not names:
             return []
         # Rotate the order each pop: BLPOP checks keys in order, so this gives round-robin.
