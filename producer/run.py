@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 from rq import Queue
@@ -17,9 +18,11 @@ from producer.reader import Invalid, Prompt, read_jsonl
 from shared import keys
 from shared.budget import dataset_state, register_dataset
 from shared.config import Config, DatasetConfig
-from shared.schema import JobPayload, SamplingParams, safe_job_id
+from shared.schema import JobPayload, safe_job_id
 
 log = logging.getLogger("budgetq.producer")
+# Stats fields that mark a job as finished one way or another (the producer waits on them).
+TERMINAL_STATS = ("committed", "skipped", "failed", "duplicate", "paused", "already_done")
 JOB_FUNC = "worker.job.run_prompt"  # by name: producer never imports worker
 
 
@@ -38,13 +41,12 @@ class Feed:
 
 
 def _terminal(conn: redis.Redis, ds: str) -> int:
-    vals = conn.hmget(keys.stats_key(ds), list(keys.TERMINAL_STATS))
+    vals = conn.hmget(keys.stats_key(ds), list(TERMINAL_STATS))
     return sum(int(v or 0) for v in vals)
 
 
 def _payload(ds: DatasetConfig, p: Prompt) -> dict:
-    return JobPayload(id=p.id, dataset=ds.name, messages=p.messages, sampling=SamplingParams(
-        max_tokens=ds.max_tokens, temperature=ds.temperature, top_p=ds.top_p)).model_dump(mode="json")
+    return JobPayload(id=p.id, dataset=ds.name, messages=p.messages, sampling=ds.sampling).model_dump(mode="json")
 
 
 class Producer:
@@ -53,7 +55,7 @@ class Producer:
         self.conn = redis.Redis.from_url(cfg.redis_url)
         self.feeds: list[Feed] = []
         for ds in cfg.datasets:
-            if not ds.path.exists():
+            if not Path(ds.path).exists():
                 raise FileNotFoundError(f"dataset {ds.name}: file not found: {ds.path}")
         for ds in cfg.datasets:
             register_dataset(self.conn, ds)

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from shared.errors import ConfigError
+from shared.schema import SamplingParams
 from shared.tokens import parse_tokens
 
 TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
@@ -23,11 +24,27 @@ class _Strict(BaseModel):
 
 class ServerConfig(_Strict):
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
+    # chat = /v1/chat/completions (the server applies the chat template);
+    # generate = /generate with input_ids from `tokenizer` (applied here, counted here).
     api: Literal["chat", "generate"] = "chat"
     model: str = "default"
     # Never logged or put in job payloads: workers read it from their own config/env.
     api_key: str | None = Field(default=None, repr=False)
     timeout_s: float = Field(default=3600.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    # Transient failures (connection errors, timeouts, 408/429/5xx) are retried this many
+    # times in all, with exponential backoff and jitter between backoff_base_s and backoff_max_s.
+    max_attempts: int = Field(default=6, ge=1)
+    backoff_base_s: float = Field(default=0.5, gt=0)
+    backoff_max_s: float = Field(default=30.0, gt=0)
+    # An endpoint failing this many times in a row is taken out until its /health answers.
+    eject_after_failures: int = Field(default=3, ge=1)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    # Tokenizer (local path or hub id) for api=generate and for counting prompt tokens.
+    tokenizer: str | None = None
+    # The model's context length; prompts with more than context_length - max_tokens tokens
+    # are recorded invalid instead of failing on the server. None = no check.
+    context_length: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check_urls(self) -> ServerConfig:
@@ -35,21 +52,46 @@ class ServerConfig(_Strict):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"server.urls: {url!r} is not an http(s) URL")
         self.urls = [u.rstrip("/") for u in self.urls]
+        if self.api == "generate" and not self.tokenizer:
+            raise ValueError("server.api 'generate' needs server.tokenizer (a local path or hub id)")
         return self
 
 
 class DatasetConfig(_Strict):
     name: str
-    path: Path
+    # A file (JSONL, JSON array, Parquet), a `datasets.save_to_disk` directory, or
+    # `hf://org/name` for a hub dataset (needs network).
+    path: str
+    format: Literal["auto", "jsonl", "json", "parquet", "hf"] = "auto"
+    split: str | None = None          # for HF datasets (default: the only split, or "train")
+    subset: str | None = None         # HF config name
     budget: TokenCount
-    mode: Literal["soft", "strict"] = "soft"
+    # soft: reserve the expected length, land in [budget, budget + max_tokens);
+    # strict: reserve max_tokens, never pass the budget; drain: no reservations (the naive
+    # policy, for comparison: in-flight requests all count, overshoot ~ in-flight x mean).
+    mode: Literal["soft", "strict", "drain"] = "soft"
+    # What counts toward the budget: completion tokens, or prompt + completion.
+    count: Literal["completion", "total"] = "completion"
+    # complete: responses cut by max_tokens (finish_reason=length) go to
+    # out/<name>.truncated.jsonl and do not count toward the budget.
+    keep: Literal["all", "complete"] = "all"
+    # Field mapping: exactly one of these (default prompt_field "prompt").
     prompt_field: str | None = None
-    messages_field: str | None = None
+    messages_field: str | None = None        # list of {role, content}
+    conversations_field: str | None = None   # ShareGPT: list of {from, value} or {role, content}
     system_prompt: str | None = None
     id_field: str | None = None
-    max_tokens: int = Field(default=8192, gt=0)
-    temperature: float = Field(default=0.7, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
+    shuffle: bool = False
+    shuffle_seed: int = 0
+    min_prompt_chars: int | None = Field(default=None, ge=0)   # filter: shorter prompts are skipped
+    max_prompt_chars: int | None = Field(default=None, gt=0)   # filter: longer prompts are skipped
+    max_prompt_tokens: int | None = Field(default=None, gt=0)  # longer prompts are recorded invalid
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Reasoning models: `separate` keeps reasoning in its own field, `inline` puts it back
+    # into the assistant content as <think>...</think>, `drop` discards it.
+    thinking: Literal["separate", "inline", "drop"] = "separate"
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     # Expected mean response length before the first results arrive (soft-mode reservations).
     prior_mean_tokens: int | None = Field(default=None, gt=0)
 
@@ -57,11 +99,21 @@ class DatasetConfig(_Strict):
     def _check(self) -> DatasetConfig:
         if not _NAME.match(self.name):
             raise ValueError(f"dataset name {self.name!r} may hold only letters, digits, '_' and '-'")
-        if self.prompt_field and self.messages_field:
-            raise ValueError(f"dataset {self.name}: set prompt_field or messages_field, not both")
-        if not self.prompt_field and not self.messages_field:
+        fields = [f for f in (self.prompt_field, self.messages_field, self.conversations_field) if f]
+        if len(fields) > 1:
+            raise ValueError(f"dataset {self.name}: set one of prompt_field, messages_field, "
+                             f"conversations_field (got {', '.join(fields)})")
+        if not fields:
             self.prompt_field = "prompt"
+        if self.min_prompt_chars is not None and self.max_prompt_chars is not None \
+                and self.min_prompt_chars > self.max_prompt_chars:
+            raise ValueError(f"dataset {self.name}: min_prompt_chars {self.min_prompt_chars} > "
+                             f"max_prompt_chars {self.max_prompt_chars}")
         return self
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
 
     @property
     def prior_mean(self) -> int:
@@ -70,23 +122,43 @@ class DatasetConfig(_Strict):
 
 class WorkerConfig(_Strict):
     concurrency: int = Field(default=64, gt=0)
-    # How long a job may be in flight without a heartbeat before RQ sees it abandoned.
-    heartbeat_ttl_s: int = Field(default=60, gt=0)
+    # A job's lease: a worker that stops heartbeating (killed, frozen, cut off) loses its jobs
+    # this long after its last heartbeat; they are re-enqueued within one maintenance interval.
+    heartbeat_ttl_s: int = Field(default=30, ge=2)
+    maintenance_interval_s: float = Field(default=5.0, gt=0)
+    # How often a worker re-reads budgets and pauses (and aborts requests of datasets whose
+    # budget was crossed), and refreshes its in-flight reservations.
+    control_interval_s: float = Field(default=0.5, gt=0)
+    # SIGTERM/SIGINT: stop taking jobs, let requests in flight finish this long, requeue the rest.
+    grace_s: float = Field(default=30.0, ge=0)
 
 
 class ProducerConfig(_Strict):
     # Max queued jobs per dataset; None = 4 x worker concurrency.
     high_water: int | None = Field(default=None, gt=0)
     poll_interval_s: float = Field(default=0.05, gt=0)
+    # Progress display: bars on a terminal, log lines otherwise (auto), or force one.
+    progress: Literal["auto", "bars", "log", "off"] = "auto"
+    progress_interval_s: float = Field(default=10.0, gt=0)
+
+
+class MonitorConfig(_Strict):
+    # The web monitor (budgetq monitor, or the producer with --monitor): page, JSON API, /metrics.
+    host: str = "127.0.0.1"
+    port: int = Field(default=9200, gt=0, lt=65536)
+    # HTTP basic auth for the monitor; required when host is not a loopback address.
+    username: str | None = None
+    password: str | None = Field(default=None, repr=False)
 
 
 class Config(_Strict):
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)
     server: ServerConfig = Field(default_factory=ServerConfig)
     output_dir: Path = Path("out")
     datasets: list[DatasetConfig] = Field(default_factory=list)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
     @model_validator(mode="after")
     def _unique(self) -> Config:
@@ -113,7 +185,12 @@ _ENV = {
     "BUDGETQ_SERVER_URLS": ("server", "urls"),
     "BUDGETQ_API_KEY": ("server", "api_key"),
     "BUDGETQ_SERVER_API": ("server", "api"),
+    "BUDGETQ_TOKENIZER": ("server", "tokenizer"),
     "BUDGETQ_OUTPUT_DIR": ("output_dir",),
+    "BUDGETQ_MONITOR_HOST": ("monitor", "host"),
+    "BUDGETQ_MONITOR_PORT": ("monitor", "port"),
+    "BUDGETQ_MONITOR_USERNAME": ("monitor", "username"),
+    "BUDGETQ_MONITOR_PASSWORD": ("monitor", "password"),
 }
 
 
@@ -130,6 +207,10 @@ def _describe(err: ValidationError, source: str) -> str:
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
         lines.append(f"  {loc}: {e['msg']}{got}")
     return "\n".join(lines)
+
+
+def _is_local_path(path: str) -> bool:
+    return "://" not in path and not os.path.isabs(path)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
@@ -154,7 +235,7 @@ def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...],
         base = Path(path).resolve().parent
         # Relative dataset paths are relative to the config file, so a config works from any cwd.
         for ds in raw.get("datasets") or []:
-            if isinstance(ds, dict) and isinstance(ds.get("path"), str) and not os.path.isabs(ds["path"]):
+            if isinstance(ds, dict) and isinstance(ds.get("path"), str) and _is_local_path(ds["path"]):
                 cand = base / ds["path"]
                 if cand.exists() or not Path(ds["path"]).exists():
                     ds["path"] = str(cand)

@@ -1,12 +1,25 @@
 """Every Redis key budgetq uses, in one place.
 
 Per-dataset keys carry a ``{dataset}`` hash tag so that one dataset's keys sit in one
-Redis Cluster slot and the multi-key Lua scripts stay legal there.
+Redis Cluster slot and the multi-key Lua scripts stay legal there. RQ's own keys
+(``rq:queue:bq-<ds>``, ``rq:wip:bq-<ds>``, ``rq:job:<id>``) are named here too, because our
+Lua scripts claim and requeue jobs atomically with RQ's layout (checked by tests against
+RQ's own API).
 """
 
 PREFIX = "bq"
 DATASETS = f"{PREFIX}:datasets"
 QUEUE_PREFIX = "bq-"
+# Set of live worker names; each has a hash worker_key(name) with a TTL (see worker_key).
+WORKERS = f"{PREFIX}:workers"
+# Stream of operator actions (budget set, pause, resume, abort, retry-failed, reconcile):
+# fields ts, who, action, dataset, old, new.
+CONTROL_LOG = f"{PREFIX}:control"
+CONTROL_LOG_MAXLEN = 1000
+# Lock held by whichever process runs the maintenance pass (requeue abandoned jobs).
+MAINTENANCE_LOCK = f"{PREFIX}:maintenance:lock"
+# Width of the buckets of rate_key, in seconds.
+RATE_BUCKET_S = 5
 
 
 def _ds(ds: str, what: str) -> str:
@@ -14,7 +27,7 @@ def _ds(ds: str, what: str) -> str:
 
 
 def conf_key(ds: str) -> str:
-    """Hash: limit, mode, paused, prior_mean, max_tokens."""
+    """Hash: limit, mode, count, keep, paused, prior_mean, max_tokens, registered_at."""
     return _ds(ds, "conf")
 
 
@@ -24,7 +37,7 @@ def used_key(ds: str) -> str:
 
 
 def resv_key(ds: str) -> str:
-    """Hash: job id -> tokens reserved by a request in flight."""
+    """Hash: job id -> tokens reserved by a request in flight (its admission ticket)."""
     return _ds(ds, "resv")
 
 
@@ -34,17 +47,30 @@ def reserved_key(ds: str) -> str:
 
 
 def done_key(ds: str) -> str:
-    """Set: prompt ids whose result has been committed."""
+    """Set: job ids whose result has been committed (counted, or kept aside as truncated)."""
     return _ds(ds, "done")
 
 
 def stats_key(ds: str) -> str:
-    """Hash: committed, skipped, failed, invalid, duplicate, sum_tokens, requests."""
+    """Hash of counters: committed, truncated, skipped, failed, invalid, duplicate, aborted,
+    requeued, retried, recovered, sum_tokens, sum_sq_tokens, generated_tokens, wasted_tokens."""
     return _ds(ds, "stats")
 
 
+def hist_key(ds: str) -> str:
+    """Hash: bucket index -> count of committed responses whose counted length falls in
+    [i * width, (i + 1) * width), width = conf.max_tokens // 64 (at least 1). Workers read it
+    to estimate how long the requests still in flight will run."""
+    return _ds(ds, "hist")
+
+
+def rate_key(ds: str) -> str:
+    """Hash: bucket start (unix seconds, multiple of RATE_BUCKET_S) -> tokens counted in it."""
+    return _ds(ds, "rate")
+
+
 def results_key(ds: str) -> str:
-    """Stream: committed results waiting for the producer's collector."""
+    """Stream: committed results waiting for the producer's collector (fields id, kind, row)."""
     return _ds(ds, "results")
 
 
@@ -53,13 +79,38 @@ def cursor_key(ds: str) -> str:
     return _ds(ds, "cursor")
 
 
-# Stats fields that mark a job as finished one way or another (the producer waits on them).
-TERMINAL_STATS = ("committed", "skipped", "failed", "duplicate", "paused", "already_done")
+def worker_key(name: str) -> str:
+    """Hash of one live worker: host, pid, started_at, concurrency, in_flight, processed,
+    endpoints (JSON: url -> {healthy, in_flight, failures}). Expires unless refreshed."""
+    return f"{PREFIX}:worker:{name}"
 
 
 def queue_name(ds: str) -> str:
     """RQ queue name of a dataset."""
     return f"{QUEUE_PREFIX}{ds}"
+
+
+def dataset_of_queue(queue: str) -> str:
+    return queue.removeprefix(QUEUE_PREFIX)
+
+
+def rq_queue_key(ds: str) -> str:
+    """RQ's list of queued job ids of a dataset."""
+    return f"rq:queue:{queue_name(ds)}"
+
+
+def rq_wip_key(ds: str) -> str:
+    """RQ's StartedJobRegistry of a dataset (members ``<job id>:<execution id>``, score = lease end)."""
+    return f"rq:wip:{queue_name(ds)}"
+
+
+def rq_intermediate_key(ds: str) -> str:
+    """Where a stock ``rq worker`` parks a job between popping and starting it."""
+    return f"{rq_queue_key(ds)}:intermediate"
+
+
+def rq_job_key(job_id: str) -> str:
+    return f"rq:job:{job_id}"
 
 
 def budget_keys(ds: str) -> list[str]:
@@ -72,4 +123,6 @@ def budget_keys(ds: str) -> list[str]:
         done_key(ds),
         stats_key(ds),
         results_key(ds),
+        hist_key(ds),
+        rate_key(ds),
     ]

@@ -16,10 +16,18 @@ class Message(BaseModel):
 
 
 class SamplingParams(BaseModel):
+    """Per-dataset sampling; the same model is the config block and the job payload field."""
+
     model_config = ConfigDict(extra="forbid")
-    max_tokens: int = Field(gt=0)
-    temperature: float = 0.7
-    top_p: float = 1.0
+    max_tokens: int = Field(default=8192, gt=0)
+    temperature: float = Field(default=0.7, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    stop: list[str] | None = None
+    seed: int | None = None
+    # Anything else SGLang accepts (e.g. repetition_penalty), passed through unchanged.
+    extra: dict[str, Any] = Field(default_factory=dict)
 
 
 class JobPayload(BaseModel):
@@ -29,6 +37,10 @@ class JobPayload(BaseModel):
     id: str
     dataset: str
     messages: list[Message]
+    # api=generate: the chat template applied by the producer's tokenizer.
+    input_ids: list[int] | None = None
+    # Known when the producer tokenized the prompt (used for count=total reservations).
+    prompt_tokens: int | None = None
     sampling: SamplingParams
 
 
@@ -38,6 +50,8 @@ class ResultRow(BaseModel):
     id: str
     dataset: str
     conversations: list[Message]
+    # The server's reasoning parser output (thinking), kept apart from the answer.
+    reasoning_content: str | None = None
     prompt_tokens: int
     completion_tokens: int
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | str

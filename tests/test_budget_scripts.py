@@ -11,7 +11,7 @@ from shared.config import DatasetConfig
 
 def _ds(conn, name="D", budget=1000, mode="soft", prior=30, max_tokens=30):
     ds = DatasetConfig(name=name, path="x.jsonl", budget=budget, mode=mode, prior_mean_tokens=prior,
-                       max_tokens=max_tokens)
+                       sampling={"max_tokens": max_tokens})
     register_dataset(conn, ds)
     return ds
 

@@ -20,7 +20,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_status_budget_pause_resume(tmp_path, redis_url, conn):
-    register_dataset(conn, DatasetConfig(name="B2", path="x", budget="10M", max_tokens=100, prior_mean_tokens=50))
+    register_dataset(conn, DatasetConfig(name="B2", path="x", budget="10M", sampling={"max_tokens": 100},
+                                         prior_mean_tokens=50))
     b = SyncBudget(conn)
     b.reserve("B2", "j1", 100)
     b.commit("B2", "j1", 77, "{}")

@@ -26,7 +26,7 @@ def test_example_config_documents_every_field():
     ds = cfg.datasets[0]
     assert ds.budget == 10_000_000 and ds.messages_field == "messages" and ds.prior_mean == 3793
     assert cfg.server.api == "chat" and cfg.high_water == 4 * cfg.worker.concurrency
-    assert ds.path == (ROOT / "examples" / "data" / "b2.jsonl")
+    assert ds.path == str(ROOT / "examples" / "data" / "b2.jsonl")
 
 
 def _write(tmp_path, text):

@@ -63,7 +63,7 @@ def test_three_datasets_reach_their_budgets_exactly_counted(tmp_path, redis_url,
     for name in means:
         _dataset(tmp_path / f"{name}.jsonl", 600)
         datasets.append({"name": name, "path": str(tmp_path / f"{name}.jsonl"), "budget": "20k",
-                         "id_field": "id", "max_tokens": 2000, "prior_mean_tokens": means[name],
+                         "id_field": "id", "sampling": {"max_tokens": 2000}, "prior_mean_tokens": means[name],
                          "mode": "strict" if name == "C1" else "soft"})
     prod, out = _run(tmp_path, redis_url, sim, datasets)
     assert prod.returncode == 0, prod.stderr
@@ -103,7 +103,7 @@ def test_bad_rows_are_reported_with_line_numbers_and_the_run_goes_on(tmp_path, r
     path = tmp_path / "D.jsonl"
     _dataset(path, 30, bad)
     prod, out = _run(tmp_path, redis_url, sim, [{"name": "D", "path": str(path), "budget": "1M",
-                                                 "id_field": "id", "max_tokens": 500}], workers=1)
+                                                 "id_field": "id", "sampling": {"max_tokens": 500}}], workers=1)
     assert prod.returncode == 0, prod.stderr
     for line in (3, 6, 9, 12):
         assert f"{path}:{line}: invalid row" in prod.stderr
@@ -117,7 +117,7 @@ def test_restarted_producer_generates_nothing_twice(tmp_path, redis_url, conn, s
     sim = sim_factory("--speedup", "500", "--length-mean", "50")
     path = tmp_path / "D.jsonl"
     _dataset(path, 40)
-    ds = [{"name": "D", "path": str(path), "budget": "1M", "id_field": "id", "max_tokens": 500}]
+    ds = [{"name": "D", "path": str(path), "budget": "1M", "id_field": "id", "sampling": {"max_tokens": 500}}]
     assert _run(tmp_path, redis_url, sim, ds, workers=1)[0].returncode == 0
     _dataset(path, 60)  # the file grew: only the 20 new prompts run
     prod, out = _run(tmp_path, redis_url, sim, ds, workers=1)

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _enqueue(conn, n: int, ds: str = "D", budget: int = 10**9) -> None:
-    register_dataset(conn, DatasetConfig(name=ds, path="x", budget=budget, max_tokens=4000, prior_mean_tokens=10))
+    register_dataset(conn, DatasetConfig(name=ds, path="x", budget=budget, sampling={"max_tokens": 4000},
+                                         prior_mean_tokens=10))
     q = Queue(keys.queue_name(ds), connection=conn, serializer=JSONSerializer)
     for i in range(n):
         p = JobPayload(id=f"p{i}", dataset=ds, messages=[Message(role="user", content=f"q{i}")],
