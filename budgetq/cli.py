@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from budgetq import cli_data, cli_ops, cli_sim
 from budgetq.cli_common import load, with_config
 from shared.errors import BudgetqError
+from shared.logs import setup_logging
 from shared.tokens import format_tokens, parse_tokens
 
 
@@ -112,6 +112,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="budgetq", description="Token-budgeted generation on Redis + RQ + SGLang")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
     sub = p.add_subparsers(dest="cmd", required=True)
     _register_run(sub)
     cli_sim.register(sub)
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (BudgetqError, FileNotFoundError) as exc:
