@@ -1,12 +1,15 @@
 """Move committed results from Redis streams into out/<dataset>.jsonl, never twice.
 
+Rows kept aside (keep=complete and cut by max_tokens) go to out/<dataset>.truncated.jsonl.
 The stream cursor is saved only after the rows are flushed and fsynced; if the producer
-dies in between, the ids already in the file are loaded at start and skipped.
+dies in between, the ids already in the files are loaded at start and skipped. A torn last
+line (a crash mid-write) is cut off at start: its entry is still in the stream.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -14,53 +17,103 @@ import redis
 
 from shared import keys
 
+log = logging.getLogger("budgetq.collector")
+KINDS = {"row": "{ds}.jsonl", "truncated": "{ds}.truncated.jsonl"}
+
+
+def output_paths(out_dir: Path, ds: str) -> dict[str, Path]:
+    return {kind: out_dir / pattern.format(ds=ds) for kind, pattern in KINDS.items()}
+
+
+def _cut_torn_tail(path: Path) -> None:
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as fh:
+        fh.seek(-1, os.SEEK_END)
+        if fh.read(1) == b"\n":
+            return
+        size = fh.seek(0, os.SEEK_END)
+        step = min(size, 1 << 16)
+        pos = size
+        while pos > 0:  # find the last newline, reading backwards
+            pos = max(0, pos - step)
+            fh.seek(pos)
+            chunk = fh.read(min(step, size - pos))
+            at = chunk.rfind(b"\n")
+            if at >= 0:
+                fh.truncate(pos + at + 1)
+                break
+        else:
+            fh.truncate(0)
+    log.warning("%s: cut a torn last line (the producer died mid-write); its row is collected again", path)
+
+
+def ids_in(path: Path) -> set[str]:
+    ids: set[str] = set()
+    if path.exists():
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    ids.add(json.loads(line)["id"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return ids
+
 
 class Collector:
     def __init__(self, conn: redis.Redis, out_dir: Path, datasets: list[str]) -> None:
         self.conn = conn
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.paths = {ds: out_dir / f"{ds}.jsonl" for ds in datasets}
-        self.seen: dict[str, set[str]] = {ds: self._ids_in(p) for ds, p in self.paths.items()}
+        self.paths = {ds: output_paths(out_dir, ds) for ds in datasets}
+        self.seen: dict[str, set[str]] = {}
+        for ds, paths in self.paths.items():
+            self.seen[ds] = set()
+            for path in paths.values():
+                _cut_torn_tail(path)
+                self.seen[ds] |= ids_in(path)
         self.written = {ds: 0 for ds in datasets}
-
-    @staticmethod
-    def _ids_in(path: Path) -> set[str]:
-        ids: set[str] = set()
-        if path.exists():
-            with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    try:
-                        ids.add(json.loads(line)["id"])
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a torn last line from a crash; its row is re-collected
-        return ids
 
     def drain(self, count: int = 1000) -> int:
         """Write every waiting result; returns how many rows were written."""
         total = 0
-        for ds, path in self.paths.items():
+        for ds, paths in self.paths.items():
             while True:
                 cursor = (self.conn.get(keys.cursor_key(ds)) or b"0-0").decode()
                 entries = self.conn.xrange(keys.results_key(ds), min=f"({cursor}", count=count)
                 if not entries:
                     break
-                with open(path, "a", encoding="utf-8") as fh:
-                    for _eid, fields in entries:
-                        pid_row = json.loads(fields[b"row"])
-                        if pid_row["id"] in self.seen[ds]:
-                            continue
-                        fh.write(fields[b"row"].decode() + "\n")
-                        self.seen[ds].add(pid_row["id"])
-                        self.written[ds] += 1
-                        total += 1
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                total += self._write(ds, paths, entries)
                 last = entries[-1][0].decode()
                 pipe = self.conn.pipeline()
                 pipe.set(keys.cursor_key(ds), last)
                 pipe.xdel(keys.results_key(ds), *[e[0] for e in entries])
                 pipe.execute()
         return total
+
+    def _write(self, ds: str, paths: dict[str, Path], entries: list) -> int:
+        handles = {}
+        written = 0
+        try:
+            for _eid, fields in entries:
+                row = fields[b"row"].decode()
+                pid = json.loads(row)["id"]
+                if pid in self.seen[ds]:
+                    continue
+                kind = fields.get(b"kind", b"row").decode()
+                fh = handles.get(kind)
+                if fh is None:
+                    fh = handles[kind] = open(paths.get(kind, paths["row"]), "a", encoding="utf-8")
+                fh.write(row + "\n")
+                self.seen[ds].add(pid)
+                written += 1
+            for fh in handles.values():
+                fh.flush()
+                os.fsync(fh.fileno())
+        finally:
+            for fh in handles.values():
+                fh.close()
+        self.written[ds] += written
+        return written
 
     def rows(self, ds: str) -> int:
         return len(self.seen[ds])

@@ -15,6 +15,8 @@ class Prompt:
     line: int
     id: str
     messages: list[Message]
+    input_ids: list[int] | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,3 +76,14 @@ def read_jsonl(ds: DatasetConfig) -> Iterator[Prompt | Invalid]:
             else:
                 pid = stable_id(row)
             yield Prompt(line_no, pid, msgs)
+
+
+@dataclass(frozen=True)
+class Filtered:
+    line: int
+    reason: str
+
+
+def read_prompts(ds: DatasetConfig, server: object = None) -> Iterator[Prompt | Invalid | Filtered]:
+    """The producer's one entry point for reading a dataset."""
+    return read_jsonl(ds)

@@ -1,8 +1,8 @@
-"""Typed wrappers around the budget Lua scripts, plus the dataset registry in Redis.
+"""The budget: typed calls of the budget Lua scripts, dataset registration and state.
 
-The scripts' sentinel strings become an enum right here, so no caller compares strings.
-Scripts are read from their .lua files once, at import, and registered per client
-(redis-py re-sends them on NOSCRIPT, e.g. after a Redis restart).
+The scripts' sentinel strings become enums right here, so no caller compares strings.
+Each function returns a ``ScriptCall`` that runs through shared.scripts (blocking, async,
+or batched with others into one round trip).
 """
 
 from __future__ import annotations
@@ -10,21 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import redis
-import redis.asyncio as aredis
 
 from shared import keys
 from shared.config import DatasetConfig
-
-
-def _load(name: str) -> str:
-    return resources.files("shared").joinpath("lua", f"{name}.lua").read_text()
-
-
-_RESERVE, _COMMIT, _RELEASE = _load("reserve"), _load("commit"), _load("release")
+from shared.scripts import ScriptCall
 
 
 class Admission(enum.Enum):
@@ -33,6 +25,20 @@ class Admission(enum.Enum):
     PAUSED = "PAUSED"
     EXHAUSTED = "EXHAUSTED"
     WAIT = "WAIT"
+
+
+class Outcome(enum.Enum):
+    """What commit did with a result."""
+
+    COMMITTED = "COMMITTED"
+    CROSSED = "CROSSED"
+    TRUNCATED = "TRUNCATED"
+    DUPLICATE = "DUPLICATE"
+    REJECTED = "REJECTED"
+
+    @property
+    def kept(self) -> bool:
+        return self in (Outcome.COMMITTED, Outcome.CROSSED, Outcome.TRUNCATED)
 
 
 @dataclass(frozen=True)
@@ -45,46 +51,41 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-class AsyncBudget:
-    """Budget operations for workers (redis.asyncio)."""
-
-    def __init__(self, client: aredis.Redis) -> None:
-        self._reserve = client.register_script(_RESERVE)
-        self._commit = client.register_script(_COMMIT)
-        self._release = client.register_script(_RELEASE)
-
-    async def reserve(self, ds: str, job_id: str, max_tokens: int) -> Reservation:
-        status, tokens = await self._reserve(keys=keys.budget_keys(ds), args=[job_id, max_tokens])
-        return Reservation(Admission(_text(status)), int(tokens))
-
-    async def commit(self, ds: str, job_id: str, tokens: int, row_json: str) -> bool:
-        """True if counted now; False if the prompt had already been committed."""
-        status, _used = await self._commit(keys=keys.budget_keys(ds), args=[job_id, tokens, row_json, ds])
-        return _text(status) == "COMMITTED"
-
-    async def release(self, ds: str, job_id: str) -> int:
-        return int(await self._release(keys=keys.budget_keys(ds), args=[job_id]))
+def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0) -> ScriptCall[Reservation]:
+    return ScriptCall("reserve", keys.budget_keys(ds), [job_id, max_tokens, prompt_tokens],
+                      lambda r: Reservation(Admission(_text(r[0])), int(r[1])))
 
 
-class SyncBudget:
-    """The same operations for the producer, CLI and tests (blocking redis-py)."""
+def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, finish_reason: str,
+           row_json: str) -> ScriptCall[Outcome]:
+    """Count a result once; the dataset's conf decides what counts (count, keep)."""
+    return ScriptCall("commit", keys.budget_keys(ds),
+                      [job_id, prompt_tokens, completion_tokens, row_json, finish_reason],
+                      lambda r: Outcome(_text(r[0])))
 
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
-        self._reserve = client.register_script(_RESERVE)
-        self._commit = client.register_script(_COMMIT)
-        self._release = client.register_script(_RELEASE)
 
-    def reserve(self, ds: str, job_id: str, max_tokens: int) -> Reservation:
-        status, tokens = self._reserve(keys=keys.budget_keys(ds), args=[job_id, max_tokens])
-        return Reservation(Admission(_text(status)), int(tokens))
+def release(ds: str, job_id: str, generated: int = 0) -> ScriptCall[int]:
+    """Give a reservation back; ``generated`` tokens made for nothing are counted as waste."""
+    return ScriptCall("release", keys.budget_keys(ds), [job_id, generated], int)
 
-    def commit(self, ds: str, job_id: str, tokens: int, row_json: str) -> bool:
-        status, _used = self._commit(keys=keys.budget_keys(ds), args=[job_id, tokens, row_json, ds])
-        return _text(status) == "COMMITTED"
 
-    def release(self, ds: str, job_id: str) -> int:
-        return int(self._release(keys=keys.budget_keys(ds), args=[job_id]))
+def adjust(ds: str, tokens_by_job: dict[str, int]) -> ScriptCall[int]:
+    args: list[Any] = []
+    for job_id, tokens in tokens_by_job.items():
+        args += [job_id, tokens]
+    return ScriptCall("adjust", keys.budget_keys(ds), args, int)
+
+
+def withdraw(ds: str) -> ScriptCall[int]:
+    return ScriptCall("withdraw", keys.budget_keys(ds), [], int)
+
+
+def adopt(ds: str, rows: list[tuple[str, int, int]]) -> ScriptCall[tuple[int, int]]:
+    """Mark (job id, counted or -1 if not counted, completion) rows on disk as committed."""
+    args: list[Any] = []
+    for job_id, counted, completion in rows:
+        args += [job_id, counted, completion]
+    return ScriptCall("adopt", keys.budget_keys(ds), args, lambda r: (int(r[0]), int(r[1])))
 
 
 def register_dataset(client: redis.Redis, ds: DatasetConfig) -> None:
@@ -92,8 +93,8 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig) -> None:
     pipe = client.pipeline()
     pipe.sadd(keys.DATASETS, ds.name)
     pipe.hset(keys.conf_key(ds.name), mapping={
-        "limit": ds.budget, "mode": ds.mode, "prior_mean": ds.prior_mean,
-        "max_tokens": ds.max_tokens, "registered_at": f"{time.time():.3f}",
+        "limit": ds.budget, "mode": ds.mode, "count": ds.count, "keep": ds.keep,
+        "prior_mean": ds.prior_mean, "max_tokens": ds.max_tokens, "registered_at": f"{time.time():.3f}",
     })
     pipe.hsetnx(keys.conf_key(ds.name), "paused", "0")
     pipe.execute()
@@ -110,6 +111,8 @@ class DatasetState:
     in_flight: int
     max_tokens: int
     stats: dict[str, int]
+    abort_epoch: int = 0
+    count: str = "completion"
 
     @property
     def exhausted(self) -> bool:
@@ -119,22 +122,34 @@ class DatasetState:
         return self.used >= self.limit
 
 
-def dataset_state(client: redis.Redis, name: str) -> DatasetState:
-    pipe = client.pipeline(transaction=False)
+def queue_state_commands(pipe: redis.client.Pipeline, name: str) -> None:
     pipe.hgetall(keys.conf_key(name))
     pipe.get(keys.used_key(name))
     pipe.get(keys.reserved_key(name))
     pipe.hlen(keys.resv_key(name))
     pipe.hgetall(keys.stats_key(name))
-    conf, used, reserved, in_flight, stats = pipe.execute()
+
+
+def parse_state(name: str, replies: list[Any]) -> DatasetState:
+    conf, used, reserved, in_flight, stats = replies
     conf = {_text(k): _text(v) for k, v in conf.items()}
     stats_i = {_text(k): int(float(v)) for k, v in stats.items()}
     return DatasetState(
         name=name, limit=int(conf.get("limit", 0)), mode=conf.get("mode", "soft"),
         paused=conf.get("paused") == "1", used=int(used or 0), reserved=int(reserved or 0),
         in_flight=int(in_flight), max_tokens=int(conf.get("max_tokens", 0)), stats=stats_i,
+        abort_epoch=int(conf.get("abort_epoch", 0)), count=conf.get("count", "completion"),
     )
 
 
-def incr_stat(client: redis.Redis, name: str, field: str, by: int = 1) -> None:
-    client.hincrby(keys.stats_key(name), field, by)
+STATE_REPLIES = 5  # replies queue_state_commands adds to a pipeline
+
+
+def dataset_state(client: redis.Redis, name: str) -> DatasetState:
+    pipe = client.pipeline(transaction=False)
+    queue_state_commands(pipe, name)
+    return parse_state(name, pipe.execute())
+
+
+def dataset_names(client: redis.Redis) -> list[str]:
+    return sorted(_text(n) for n in client.smembers(keys.DATASETS))

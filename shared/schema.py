@@ -42,6 +42,10 @@ class JobPayload(BaseModel):
     # Known when the producer tokenized the prompt (used for count=total reservations).
     prompt_tokens: int | None = None
     sampling: SamplingParams
+    # api=chat: passed to the server's chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Where a reasoning model's thinking goes in the output row (see DatasetConfig.thinking).
+    thinking: Literal["separate", "inline", "drop"] = "separate"
 
 
 class ResultRow(BaseModel):

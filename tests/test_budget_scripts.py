@@ -1,97 +1,159 @@
-"""The budget Lua scripts on a real Redis, including 50 racing clients."""
+"""The budget Lua scripts on a real Redis, including racing clients."""
 
 import asyncio
 
-import redis.asyncio as aredis
-
-from shared import keys
-from shared.budget import Admission, AsyncBudget, SyncBudget, dataset_state, register_dataset
+from shared import budget, keys
+from shared.budget import Admission, Outcome, dataset_state, register_dataset
 from shared.config import DatasetConfig
+from shared.redis_conn import aconnect
+from shared.scripts import arun, run
 
 
-def _ds(conn, name="D", budget=1000, mode="soft", prior=30, max_tokens=30):
-    ds = DatasetConfig(name=name, path="x.jsonl", budget=budget, mode=mode, prior_mean_tokens=prior,
-                       sampling={"max_tokens": max_tokens})
+def _ds(conn, name="D", budget_=1000, mode="soft", prior=30, max_tokens=30, **extra):
+    ds = DatasetConfig(name=name, path="x.jsonl", budget=budget_, mode=mode, prior_mean_tokens=prior,
+                       sampling={"max_tokens": max_tokens}, **extra)
     register_dataset(conn, ds)
     return ds
 
 
+def _commit(conn, job, completion, finish="stop", prompt=5, row=None):
+    return run(conn, budget.commit("D", job, prompt, completion, finish, row or f'{{"id":"{job}"}}'))
+
+
 def test_reserve_commit_release_semantics(conn):
-    _ds(conn, budget=100)
-    b = SyncBudget(conn)
-    r = b.reserve("D", "j1", 30)
+    _ds(conn, budget_=100)
+    r = run(conn, budget.reserve("D", "j1", 30))
     assert r.status is Admission.ADMIT and r.tokens == 30
-    assert b.reserve("D", "j1", 30).status is Admission.ADMIT  # idempotent for the same job
+    assert run(conn, budget.reserve("D", "j1", 30)).status is Admission.ADMIT  # idempotent for the same job
     assert dataset_state(conn, "D").reserved == 30
-    assert b.commit("D", "j1", 42, '{"id":"1"}') is True
+    assert _commit(conn, "j1", 42) is Outcome.COMMITTED
     st = dataset_state(conn, "D")
     assert (st.used, st.reserved, st.in_flight) == (42, 0, 0)
-    assert b.commit("D", "j1", 42, '{"id":"1"}') is False  # double commit counted once
+    assert _commit(conn, "j1", 42) is Outcome.DUPLICATE  # double commit counted once
     assert dataset_state(conn, "D").used == 42
     assert conn.xlen(keys.results_key("D")) == 1
-    assert b.reserve("D", "j1", 30).status is Admission.DONE
-    assert b.reserve("D", "j2", 100).status is Admission.ADMIT
-    assert b.release("D", "j2") == 42  # running mean (42) > prior (30) was reserved
-    assert b.release("D", "j2") == 0
-    assert dataset_state(conn, "D").reserved == 0
+    assert run(conn, budget.reserve("D", "j1", 30)).status is Admission.DONE
+    assert run(conn, budget.reserve("D", "j2", 100)).status is Admission.ADMIT
+    assert run(conn, budget.release("D", "j2", 7)) == 42  # the running mean (42) is above the prior (30)
+    assert run(conn, budget.release("D", "j2")) == 0
+    st = dataset_state(conn, "D")
+    # the duplicate's 42 tokens and the released request's 7 were generated for nothing
+    assert st.reserved == 0 and st.stats["wasted_tokens"] == 42 + 7
 
 
 def test_soft_mode_waits_then_exhausts(conn):
-    _ds(conn, budget=100, prior=40)
-    b = SyncBudget(conn)
-    assert b.reserve("D", "a", 100).status is Admission.ADMIT
-    assert b.reserve("D", "b", 100).status is Admission.ADMIT
-    assert b.reserve("D", "c", 100).status is Admission.WAIT  # 80 + 40 > 100, may fit later
-    b.commit("D", "a", 70, "{}")
-    b.commit("D", "b", 40, "{}")
-    assert b.reserve("D", "c", 100).status is Admission.EXHAUSTED
-    assert dataset_state(conn, "D").stats["skipped"] == 1
+    _ds(conn, budget_=100, prior=40, max_tokens=100)
+    assert run(conn, budget.reserve("D", "a", 100)).status is Admission.ADMIT
+    assert run(conn, budget.reserve("D", "b", 100)).status is Admission.ADMIT
+    assert run(conn, budget.reserve("D", "c", 100)).status is Admission.WAIT  # 80 + 40 > 100, may fit later
+    assert _commit(conn, "a", 70) is Outcome.COMMITTED
+    assert _commit(conn, "b", 40) is Outcome.CROSSED
+    assert run(conn, budget.reserve("D", "c", 100)).status is Admission.EXHAUSTED
+
+
+def test_crossing_a_soft_budget_withdraws_the_other_admissions(conn):
+    _ds(conn, budget_=100, prior=30, max_tokens=100)
+    for j in "abc":
+        assert run(conn, budget.reserve("D", j, 100)).status is Admission.ADMIT
+    assert _commit(conn, "a", 120) is Outcome.CROSSED  # one long answer crosses the budget
+    st = dataset_state(conn, "D")
+    assert st.used == 120 and st.reserved == 0 and st.in_flight == 0
+    # the results still on their way are rejected: used stays below limit + max_tokens
+    assert _commit(conn, "b", 50) is Outcome.REJECTED
+    assert _commit(conn, "c", 20) is Outcome.REJECTED
+    st = dataset_state(conn, "D")
+    assert st.used == 120 and st.stats["rejected"] == 2 and st.stats["wasted_tokens"] == 70
+    assert conn.xlen(keys.results_key("D")) == 1 and conn.scard(keys.done_key("D")) == 1
 
 
 def test_soft_mode_always_admits_one_when_nothing_in_flight(conn):
-    _ds(conn, budget=100, prior=500, max_tokens=1000)
-    assert SyncBudget(conn).reserve("D", "a", 1000).status is Admission.ADMIT
+    _ds(conn, budget_=100, prior=500, max_tokens=1000)
+    assert run(conn, budget.reserve("D", "a", 1000)).status is Admission.ADMIT
 
 
 def test_pause_blocks_admission(conn):
     _ds(conn)
     conn.hset(keys.conf_key("D"), "paused", "1")
-    assert SyncBudget(conn).reserve("D", "a", 30).status is Admission.PAUSED
+    assert run(conn, budget.reserve("D", "a", 30)).status is Admission.PAUSED
+
+
+def test_count_total_and_keep_complete(conn):
+    _ds(conn, budget_=10_000, prior=50, max_tokens=100, count="total", keep="complete")
+    assert run(conn, budget.reserve("D", "a", 100, prompt_tokens=20)).tokens == 70  # 50 + prompt 20
+    assert _commit(conn, "a", 60, prompt=20) is Outcome.COMMITTED
+    assert dataset_state(conn, "D").used == 80  # prompt + completion
+    run(conn, budget.reserve("D", "b", 100, prompt_tokens=20))
+    # cut by max_tokens: kept aside, done, not counted
+    assert _commit(conn, "b", 100, finish="length", prompt=20) is Outcome.TRUNCATED
+    st = dataset_state(conn, "D")
+    assert st.used == 80 and st.stats["truncated"] == 1 and st.stats["truncated_tokens"] == 100
+    kinds = [f[b"kind"] for _i, f in conn.xrange(keys.results_key("D"))]
+    assert kinds == [b"row", b"truncated"]
+    assert run(conn, budget.reserve("D", "b", 100)).status is Admission.DONE
+
+
+def test_drain_mode_reserves_nothing_and_counts_everything(conn):
+    _ds(conn, budget_=100, mode="drain", max_tokens=100)
+    for j in "abcd":
+        assert run(conn, budget.reserve("D", j, 100)).status is Admission.ADMIT
+    assert dataset_state(conn, "D").reserved == 0
+    for j in "abcd":
+        assert _commit(conn, j, 60).kept
+    assert dataset_state(conn, "D").used == 240  # the naive policy overshoots by what was in flight
+    assert run(conn, budget.reserve("D", "e", 100)).status is Admission.EXHAUSTED
+
+
+def test_adjust_raises_only_held_reservations_and_withdraw_cancels_all(conn):
+    _ds(conn, budget_=1000, prior=30, max_tokens=100)
+    run(conn, budget.reserve("D", "a", 100))
+    run(conn, budget.reserve("D", "b", 100))
+    assert run(conn, budget.adjust("D", {"a": 90, "zz": 50})) == 120  # zz holds nothing: ignored
+    assert run(conn, budget.withdraw("D")) == 2
+    st = dataset_state(conn, "D")
+    assert st.reserved == 0 and st.in_flight == 0 and st.abort_epoch == 1
+    assert _commit(conn, "a", 10) is Outcome.REJECTED
+
+
+def test_adopt_counts_rows_once(conn):
+    _ds(conn, budget_=1000)
+    assert run(conn, budget.adopt("D", [("a", 10, 10), ("b", -1, 30)])) == (2, 10)
+    assert run(conn, budget.adopt("D", [("a", 10, 10), ("c", 5, 5)])) == (1, 5)
+    st = dataset_state(conn, "D")
+    assert st.used == 15 and st.stats["committed"] == 2 and st.stats["truncated"] == 1
+    assert conn.scard(keys.done_key("D")) == 3
 
 
 def test_fifty_racing_clients_strict_never_passes_limit(redis_url, conn):
-    _ds(conn, budget=1000, mode="strict", max_tokens=30)
+    _ds(conn, budget_=1000, mode="strict", max_tokens=30)
 
     async def race():
-        client = aredis.Redis.from_url(redis_url)
-        b = AsyncBudget(client)
-        res = await asyncio.gather(*[b.reserve("D", f"j{i}", 30) for i in range(50)])
+        client = aconnect(redis_url)
+        res = await asyncio.gather(*[arun(client, budget.reserve("D", f"j{i}", 30)) for i in range(50)])
         for i, r in enumerate(res):
             if r.status is Admission.ADMIT:
-                await b.commit("D", f"j{i}", 30, "{}")
+                await arun(client, budget.commit("D", f"j{i}", 0, 30, "stop", "{}"))
         # the same jobs again (a retry storm) must not count twice
-        await asyncio.gather(*[b.commit("D", f"j{i}", 30, "{}") for i, r in enumerate(res)
-                               if r.status is Admission.ADMIT])
+        again = await asyncio.gather(*[arun(client, budget.commit("D", f"j{i}", 0, 30, "stop", "{}"))
+                                       for i, r in enumerate(res) if r.status is Admission.ADMIT])
         await client.aclose()
-        return res
+        return res, again
 
-    res = asyncio.run(race())
+    res, again = asyncio.run(race())
     admitted = [r for r in res if r.status is Admission.ADMIT]
-    assert len(admitted) == 33
+    assert len(admitted) == 33 and all(o is Outcome.DUPLICATE for o in again)
     st = dataset_state(conn, "D")
     assert st.used == 990 <= st.limit
     assert st.stats["committed"] == 33
 
 
 def test_fifty_racing_clients_soft_counts_exactly(redis_url, conn):
-    _ds(conn, budget=1000, prior=30)
+    _ds(conn, budget_=1000, prior=30, max_tokens=100)
 
     async def race():
-        client = aredis.Redis.from_url(redis_url)
-        b = AsyncBudget(client)
-        res = await asyncio.gather(*[b.reserve("D", f"j{i}", 100) for i in range(50)])
-        await asyncio.gather(*[b.commit("D", f"j{i}", 25, "{}") for i, r in enumerate(res)
-                               if r.status is Admission.ADMIT])
+        client = aconnect(redis_url)
+        res = await asyncio.gather(*[arun(client, budget.reserve("D", f"j{i}", 100)) for i in range(50)])
+        await asyncio.gather(*[arun(client, budget.commit("D", f"j{i}", 0, 25, "stop", "{}"))
+                               for i, r in enumerate(res) if r.status is Admission.ADMIT])
         await client.aclose()
         return res
 

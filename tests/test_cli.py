@@ -7,9 +7,10 @@ from pathlib import Path
 
 import yaml
 
-from shared import keys
-from shared.budget import SyncBudget, register_dataset
+from shared import budget, keys
+from shared.budget import register_dataset
 from shared.config import DatasetConfig
+from shared.scripts import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,9 +23,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_status_budget_pause_resume(tmp_path, redis_url, conn):
     register_dataset(conn, DatasetConfig(name="B2", path="x", budget="10M", sampling={"max_tokens": 100},
                                          prior_mean_tokens=50))
-    b = SyncBudget(conn)
-    b.reserve("B2", "j1", 100)
-    b.commit("B2", "j1", 77, "{}")
+    run(conn, budget.reserve("B2", "j1", 100))
+    run(conn, budget.commit("B2", "j1", 3, 77, "stop", "{}"))
     out = _cli("status", "--redis-url", redis_url, "--json")
     assert out.returncode == 0, out.stderr
     (row,) = json.loads(out.stdout)
@@ -33,9 +33,9 @@ def test_status_budget_pause_resume(tmp_path, redis_url, conn):
     assert _cli("budget", "set", "B2", "12.5M", "--redis-url", redis_url).returncode == 0
     assert int(conn.hget(keys.conf_key("B2"), "limit")) == 12_500_000
     assert _cli("pause", "B2", "--redis-url", redis_url).returncode == 0
-    assert b.reserve("B2", "j2", 100).status.value == "PAUSED"
+    assert run(conn, budget.reserve("B2", "j2", 100)).status.value == "PAUSED"
     assert _cli("resume", "B2", "--redis-url", redis_url).returncode == 0
-    assert b.reserve("B2", "j2", 100).status.value == "ADMIT"
+    assert run(conn, budget.reserve("B2", "j2", 100)).status.value == "ADMIT"
 
     bad = _cli("pause", "NOPE", "--redis-url", redis_url)
     assert bad.returncode == 2 and "'NOPE' is not registered" in bad.stderr

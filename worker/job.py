@@ -10,13 +10,12 @@ import asyncio
 import os
 
 import aiohttp
-import redis.asyncio as aredis
 from rq import get_current_job
 
-from shared.budget import AsyncBudget
 from shared.config import load_config
+from shared.redis_conn import aconnect
 from shared.schema import JobPayload
-from worker.process import process_prompt
+from worker.process import run_one
 from worker.sglang_client import SGLangClient
 
 
@@ -26,12 +25,14 @@ def run_prompt(payload: dict) -> dict:
     cfg = load_config(os.environ.get("BUDGETQ_CONFIG"))
 
     async def main() -> dict:
-        conn = aredis.Redis.from_url(cfg.redis_url)
+        conn = aconnect(cfg.redis_url, max_connections=4)
         try:
             async with aiohttp.ClientSession() as session:
                 client = SGLangClient(session, cfg.server)
-                return await process_prompt(JobPayload.model_validate(payload), job_id,
-                                            AsyncBudget(conn), client)
+                try:
+                    return await run_one(JobPayload.model_validate(payload), job_id, conn, client)
+                finally:
+                    await client.pool.close()
         finally:
             await conn.aclose()
 

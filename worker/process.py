@@ -1,35 +1,58 @@
-"""One prompt's life in a worker: reserve budget, call SGLang, commit the result exactly once."""
+"""One prompt's result as an output row, and the simple one-job-at-a-time path (stock rq worker)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
-from shared.budget import Admission, AsyncBudget
+from shared import budget
+from shared.budget import Admission, Outcome
 from shared.schema import JobPayload, Message, ResultRow
-from worker.sglang_client import SGLangClient
+from shared.scripts import arun
+from worker.sglang_client import Completion, SGLangClient
 
-# How long to wait before asking again when the budget may fit once requests finish.
+# How long the one-at-a-time path waits before asking again when the budget may fit later.
 WAIT_POLL_S = 0.05
+_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 
-async def process_prompt(payload: JobPayload, job_id: str, budget: AsyncBudget,
-                         client: SGLangClient, slots: asyncio.Semaphore | None = None) -> dict:
-    """Run one job; returns a small JSON-able outcome (it becomes the RQ job's result).
-
-    ``slots`` bounds requests at the server; it is held from reservation to response only,
-    so RQ bookkeeping before and after never leaves a server slot idle.
-    """
-    if slots is None:
-        return await _reserve_and_send(payload, job_id, budget, client)
-    async with slots:
-        return await _reserve_and_send(payload, job_id, budget, client)
+def split_thinking(out: Completion) -> tuple[str, str | None]:
+    """(answer, thinking): from the server's reasoning parser, or from inline <think> tags."""
+    if out.reasoning is not None:
+        return out.text, out.reasoning
+    m = _THINK.match(out.text)
+    if m:
+        return out.text[m.end():], m.group(1).strip()
+    return out.text, None
 
 
-async def _reserve_and_send(payload: JobPayload, job_id: str, budget: AsyncBudget,
-                            client: SGLangClient) -> dict:
+def build_row(payload: JobPayload, out: Completion, model: str) -> ResultRow:
+    answer, thinking = split_thinking(out)
+    content = answer
+    if payload.thinking == "inline" and thinking:
+        content = f"<think>\n{thinking}\n</think>\n\n{answer}"
+    return ResultRow(
+        id=payload.id, dataset=payload.dataset,
+        conversations=[*payload.messages, Message(role="assistant", content=content)],
+        reasoning_content=None if payload.thinking == "drop" else thinking,
+        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+        finish_reason=out.finish_reason, model=model, endpoint=out.endpoint, latency_s=round(out.latency_s, 4),
+    )
+
+
+def estimate_prompt_tokens(payload: JobPayload) -> int:
+    """Prompt tokens for count=total reservations: exact when the producer tokenized it."""
+    if payload.prompt_tokens is not None:
+        return payload.prompt_tokens
+    return sum(len(m.content) for m in payload.messages) // 4 + 4 * len(payload.messages)
+
+
+async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) -> dict:
+    """Reserve, send, commit: the whole life of one job, without the concurrent worker's batching."""
     ds = payload.dataset
     while True:
-        res = await budget.reserve(ds, job_id, payload.sampling.max_tokens)
+        res = await arun(conn, budget.reserve(ds, job_id, payload.sampling.max_tokens,
+                                              estimate_prompt_tokens(payload)))
         if res.status is not Admission.WAIT:
             break
         await asyncio.sleep(WAIT_POLL_S)
@@ -41,15 +64,11 @@ async def _reserve_and_send(payload: JobPayload, job_id: str, budget: AsyncBudge
         out = await client.complete(payload, rid=job_id)
     except BaseException:
         # Failure, cancellation or shutdown: give the reservation back before re-raising.
-        await asyncio.shield(budget.release(ds, job_id))
+        await asyncio.shield(arun(conn, budget.release(ds, job_id)))
         raise
-    row = ResultRow(
-        id=payload.id, dataset=ds,
-        conversations=[*payload.messages, Message(role="assistant", content=out.text)],
-        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-        finish_reason=out.finish_reason, model=client.model, endpoint=out.endpoint,
-        latency_s=round(out.latency_s, 4),
-    )
-    counted = await budget.commit(ds, job_id, out.completion_tokens, row.model_dump_json())
-    return {"status": "committed" if counted else "duplicate", "completion_tokens": out.completion_tokens}
-
+    row = build_row(payload, out, client.model)
+    outcome = await arun(conn, budget.commit(ds, job_id, out.prompt_tokens, out.completion_tokens,
+                                             out.finish_reason, row.model_dump_json()))
+    return {"status": outcome.value.lower(), "kept": outcome in (Outcome.COMMITTED, Outcome.CROSSED,
+                                                                 Outcome.TRUNCATED),
+            "completion_tokens": out.completion_tokens}

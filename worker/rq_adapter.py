@@ -1,90 +1,105 @@
-"""The few RQ bookkeeping steps our concurrent worker needs, so registries stay truthful.
+"""The RQ bookkeeping our concurrent worker needs, batched, so registries stay truthful.
 
-RQ's Worker runs one job at a time; instead of subclassing its large classes we reuse its
-Job/Execution/registry primitives to record started, finished and failed jobs.
+Jobs are claimed by shared/lua/claim.lua (queue -> started registry, atomically). Here,
+finished / failed / skipped jobs are recorded through RQ's own Job and registry code, many
+jobs per pipeline round trip, so rq-dashboard shows them like any RQ worker's jobs.
 """
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 from rq import Queue, Worker
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
-from rq.utils import now
+from rq.utils import now, utcformat
+
+from shared import keys
+from shared.jobs import Claimed
 
 RESULT_TTL_S = 500
+# Skipped (canceled) jobs stay as long as failed ones: a budget raised later requeues them.
+KEEP_S = 7 * 86400
 
 
-def queues_for(conn: redis.Redis, names: list[str]) -> list[Queue]:
-    return [Queue(n, connection=conn, serializer=JSONSerializer) for n in names]
+class End(enum.Enum):
+    FINISHED = "finished"
+    FAILED = "failed"
+    SKIPPED = "skipped"   # RQ's canceled registry: skipped by budget, or admission withdrawn
 
 
-def register_worker(conn: redis.Redis, name: str, queues: list[Queue]) -> Worker:
+@dataclass
+class Ending:
+    kind: End
+    job: Job
+    execution_id: str
+    started_at: Any
+    result: dict | None = None
+    reason: str = ""
+
+
+def restore(conn: redis.Redis, c: Claimed) -> Job:
+    job = Job(c.job_id, connection=conn, serializer=JSONSerializer)
+    job.restore(c.raw)
+    return job
+
+
+def register_worker(conn: redis.Redis, name: str) -> Worker:
     """Make this process visible in rq-dashboard's worker list."""
-    w = Worker(queues or [Queue("bq-idle", connection=conn)], connection=conn, name=name,
-               serializer=JSONSerializer)
+    w = Worker([Queue("bq-idle", connection=conn)], connection=conn, name=name, serializer=JSONSerializer)
     w.register_birth()
     return w
 
 
-def fetch(conn: redis.Redis, job_id: str) -> Job | None:
-    try:
-        return Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
-    except Exception:  # noqa: BLE001 - a missing or unreadable job is skipped, not fatal
-        return None
-
-
-def mark_started(conn: redis.Redis, job: Job, worker_name: str, ttl_s: int) -> Execution:
-    with conn.pipeline() as pipe:
-        execution = Execution.create(job, ttl_s, pipeline=pipe, worker_name=worker_name)
-        job.heartbeat(now(), ttl_s, pipeline=pipe)
-        job.prepare_for_execution(worker_name, pipeline=pipe)
-        pipe.persist(job.key)
-        pipe.execute()
-    return execution
-
-
-def mark_finished(conn: redis.Redis, job: Job, execution: Execution, result: dict, worker_name: str) -> None:
-    job._result = result
-    job.ended_at = now()
-    with conn.pipeline() as pipe:
-        execution.delete(job, pipeline=pipe)
-        job._handle_success(RESULT_TTL_S, pipeline=pipe, worker_name=worker_name,
-                            execution_id=execution.id, execution_started_at=execution.created_at,
-                            execution_ended_at=job.ended_at)
+def record(conn: redis.Redis, endings: list[Ending], worker_name: str) -> None:
+    """Write many job endings in one round trip."""
+    if not endings:
+        return
+    with conn.pipeline(transaction=False) as pipe:
+        for e in endings:
+            _record_one(pipe, e, worker_name)
         pipe.execute()
 
 
-def mark_failed(conn: redis.Redis, job: Job, execution: Execution, exc_string: str, worker_name: str) -> None:
+def _record_one(pipe: redis.client.Pipeline, e: Ending, worker_name: str) -> None:
+    job = e.job
+    execution = Execution(id=e.execution_id, job_id=job.id, connection=job.connection, worker_name=worker_name)
+    execution.created_at = e.started_at
     job.ended_at = now()
-    with conn.pipeline() as pipe:
+    execution.delete(job, pipeline=pipe)
+    timing = {"worker_name": worker_name, "execution_id": e.execution_id,
+              "execution_started_at": e.started_at, "execution_ended_at": job.ended_at}
+    if e.kind is End.FINISHED:
+        job._result = e.result
+        job._handle_success(RESULT_TTL_S, pipeline=pipe, **timing)
+    elif e.kind is End.FAILED:
         job.set_status(JobStatus.FAILED, pipeline=pipe)
-        execution.delete(job, pipeline=pipe)
-        job._handle_failure(exc_string, pipeline=pipe, worker_name=worker_name,
-                            execution_id=execution.id, execution_started_at=execution.created_at,
-                            execution_ended_at=job.ended_at)
-        pipe.execute()
+        job._handle_failure(e.reason, pipeline=pipe, **timing)
+    else:
+        job.meta["skipped"] = e.reason
+        job.set_status(JobStatus.CANCELED, pipeline=pipe)
+        job.save(pipeline=pipe, include_meta=True, include_result=False)
+        CanceledJobRegistry(job.origin, connection=job.connection, serializer=JSONSerializer).add(
+            job, ttl=KEEP_S, pipeline=pipe)
+        pipe.expire(job.key, KEEP_S)
 
 
-def requeue(conn: redis.Redis, job: Job, execution: Execution) -> None:
-    """Put a job back at the front of its queue (graceful shutdown), not into failed."""
-    with conn.pipeline() as pipe:
-        execution.delete(job, pipeline=pipe)
-        job.set_status(JobStatus.QUEUED, pipeline=pipe)
-        pipe.lpush(Queue(job.origin, connection=conn).key, job.id)
-        pipe.execute()
-
-
-def heartbeat(conn: redis.Redis, worker: Worker, in_flight: list[tuple[Job, Execution]], ttl_s: int) -> None:
-    """Extend the leases of every job in flight and of the worker itself, in one round trip.
+def heartbeat(conn: redis.Redis, worker: Worker, leases: list[tuple[str, str, str]], ttl_s: int) -> None:
+    """Extend the leases of every job this worker holds (dataset, registry member, job id), one round trip.
 
     Without this a request longer than the lease (long generations often are) would look
-    abandoned to RQ's maintenance and be failed while it is still running.
+    abandoned to the maintenance pass and be requeued while it is still running.
     """
-    with conn.pipeline() as pipe:
-        for job, execution in in_flight:
-            execution.heartbeat(job.started_job_registry, ttl_s, pipe)
-            job.heartbeat(now(), ttl_s, pipeline=pipe, xx=True)
+    end = now().timestamp() + ttl_s
+    stamp = utcformat(now())
+    with conn.pipeline(transaction=False) as pipe:
+        for ds, member, job_id in leases:
+            pipe.zadd(keys.rq_wip_key(ds), {member: end}, xx=True)
+            pipe.hset(keys.rq_job_key(job_id), "last_heartbeat", stamp)
         worker.heartbeat(ttl_s + 60, pipeline=pipe)
         pipe.execute()

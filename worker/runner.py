@@ -1,37 +1,43 @@
-"""The concurrent worker: up to N RQ jobs in flight in one asyncio process.
+"""The concurrent worker: many RQ jobs in flight in one asyncio process.
 
-Blocking RQ bookkeeping runs in a small thread pool so it never stalls the
-event loop; budget scripts use redis.asyncio; all requests share one aiohttp session.
+Jobs are claimed in batches (claim.lua: queue -> started registry, atomically), each job
+runs as a task (worker/jobflow.py), and budget script calls from all tasks are coalesced
+into pipelines (shared.scripts.Batcher). Blocking RQ bookkeeping runs in a small thread
+pool, batched too. Background loops: control (budgets, pauses, aborts, reservation
+refresh, this worker's status), lease heartbeats, maintenance, and the RQ bookkeeping flush.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import signal
 import socket
 import time
-import traceback
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
-import redis
-import redis.asyncio as aredis
 
-from shared import keys
-from shared.budget import AsyncBudget
+from shared import jobs, keys
 from shared.config import Config
-from shared.schema import JobPayload
+from shared.maintenance import Maintenance
+from shared.redis_conn import aconnect, connect
+from shared.retry import REDIS_DOWN
+from shared.scripts import Batcher
 from worker import rq_adapter
-from worker.process import process_prompt
+from worker.control import Control
+from worker.estimator import LengthModel
+from worker.jobflow import Phase, Tracked, run_job
 from worker.sglang_client import SGLangClient
 
 log = logging.getLogger("budgetq.worker")
-POP_TIMEOUT_S = 1
-DATASETS_REFRESH_S = 1.0
+CLAIM_BATCH = 64
+FLUSH_INTERVAL_S = 0.02
 
 
 class _Slots(asyncio.Semaphore):
@@ -42,152 +48,237 @@ class _Slots(asyncio.Semaphore):
         self.held = 0
         self.peak = 0
 
-    async def __aenter__(self) -> None:
-        await self.acquire()
+    async def acquire(self) -> bool:
+        await super().acquire()
         self.held += 1
         self.peak = max(self.peak, self.held)
+        return True
 
-    async def __aexit__(self, *exc: object) -> None:
+    def release(self) -> None:
         self.held -= 1
-        self.release()
+        super().release()
 
 
 class ConcurrentWorker:
-    def __init__(self, cfg: Config, concurrency: int, burst: bool = False, grace_s: float = 30.0) -> None:
+    def __init__(self, cfg: Config, concurrency: int, burst: bool = False, grace_s: float | None = None) -> None:
         self.cfg = cfg
         self.concurrency = concurrency
         self.burst = burst
-        self.grace_s = grace_s
+        self.grace_s = cfg.worker.grace_s if grace_s is None else grace_s
+        self.ttl = cfg.worker.heartbeat_ttl_s
         self.name = f"budgetq-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.conn = redis.Redis.from_url(cfg.redis_url)
-        self._stop = asyncio.Event()
-        self._rotation = 0
-        self._names: list[str] = []
-        self._names_read_at = float("-inf")
-        self.processed = 0
-        # Jobs fetched and marked started ahead of a free server slot, so the slot refills at once.
+        self.conn = connect(cfg.redis_url)
+        # Jobs claimed ahead of a free server slot, so a slot refills at once.
         self.prefetch = concurrency // 4 + 4
-        self._slots = _Slots(concurrency)
-        self._running: dict[str, tuple] = {}  # job id -> (job, execution), for heartbeats
+        self.slots = _Slots(concurrency)
+        self.jobs: dict[str, Tracked] = {}     # registry member -> job being handled
+        self.length = LengthModel()
+        self.control = Control(self)
+        self.processed = 0
+        self.outcomes: Counter[str] = Counter()
+        self.endings: list[rq_adapter.Ending] = []
+        self.stat_incr: Counter[tuple[str, str]] = Counter()
+        self.stopping = asyncio.Event()
+        self.forced = False
+        self.wake = asyncio.Event()
+        self._rotation = 0
         # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bq-rq")
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="bq-rq")
 
     @property
     def in_flight_peak(self) -> int:
         """Most requests this process had at the server at once."""
-        return self._slots.peak
+        return self.slots.peak
 
-    async def _sync(self, fn, *args):
+    async def sync(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
-    def _queue_keys(self) -> list[str]:
-        # The dataset list changes rarely: re-read it once a second, not on every pop.
-        if time.monotonic() - self._names_read_at > DATASETS_REFRESH_S:
-            self._names = sorted(n.decode() for n in self.conn.smembers(keys.DATASETS))
-            self._names_read_at = time.monotonic()
-        names = self._names
-        if not names:
-            return []
-        # Rotate the order each pop: BLPOP checks keys in order, so this gives round-robin.
-        self._rotation = (self._rotation + 1) % len(names)
-        names = names[self._rotation:] + names[: self._rotation]
-        return [f"rq:queue:{keys.queue_name(n)}" for n in names]
+    def count(self, ds: str, field: str, by: int = 1) -> None:
+        self.stat_incr[(ds, field)] += by
 
-    def _pop(self) -> str | None:
-        qkeys = self._queue_keys()
-        if not qkeys:
-            return None
-        if self.burst:
-            for k in qkeys:
-                if (job_id := self.conn.lpop(k)) is not None:
-                    return job_id.decode()
-            return None
-        got = self.conn.blpop(qkeys, timeout=POP_TIMEOUT_S)
-        return got[1].decode() if got else None
+    def end(self, t: Tracked, kind: rq_adapter.End, result: dict | None = None, reason: str = "") -> None:
+        self.endings.append(rq_adapter.Ending(kind, t.job, t.claimed.execution_id, t.started_at, result, reason))
+        self.outcomes[(result or {}).get("status", kind.value)] += 1
 
-    async def _handle(self, job_id: str, budget: AsyncBudget, client: SGLangClient) -> None:
-        job = await self._sync(rq_adapter.fetch, self.conn, job_id)
-        if job is None:
-            log.warning("job %s vanished before it ran; skipped", job_id)
-            return
-        execution = await self._sync(rq_adapter.mark_started, self.conn, job, self.name,
-                                     self.cfg.worker.heartbeat_ttl_s)
-        self._running[job.id] = (job, execution)
-        try:
-            payload = JobPayload.model_validate(job.args[0])
-            result = await process_prompt(payload, job.id, budget, client, self._slots)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._sync(rq_adapter.requeue, self.conn, job, execution))
-            raise
-        except Exception as exc:  # a bad payload or response fails this prompt only
-            ds = job.origin.removeprefix(keys.QUEUE_PREFIX)
-            log.warning("job %s failed: %s", job.id, exc)
-            await self._sync(self._fail, job, execution, ds, traceback.format_exc())
-            return
-        finally:
-            self._running.pop(job.id, None)
-        ds = payload.dataset
-        # committed/skipped/duplicate are counted inside the Lua scripts; these two here.
-        if result["status"] == "already_done" or result.get("reason") == "paused":
-            extra = "already_done" if result["status"] == "already_done" else "paused"
-            await self._sync(self.conn.hincrby, keys.stats_key(ds), extra, 1)
-        await self._sync(rq_adapter.mark_finished, self.conn, job, execution, result, self.name)
-        self.processed += 1
+    # -- signals -------------------------------------------------------------------------
+    def _on_signal(self, signame: str) -> None:
+        if not self.stopping.is_set():
+            log.warning("worker %s: %s: finishing requests in flight (up to %.0f s), requeueing the rest; "
+                        "send it again to stop at once", self.name, signame, self.grace_s)
+            self.stopping.set()
+        else:
+            log.warning("worker %s: second %s: aborting requests in flight and requeueing them", self.name, signame)
+            self.forced = True
+        self.wake.set()
 
-    def _fail(self, job, execution, ds: str, exc_string: str) -> None:
-        rq_adapter.mark_failed(self.conn, job, execution, exc_string, self.name)
-        self.conn.hincrby(keys.stats_key(ds), "failed", 1)
+    # -- claiming ------------------------------------------------------------------------
+    def _unparked(self) -> int:
+        return sum(1 for t in self.jobs.values() if t.phase is not Phase.PARKED)
 
-    async def _heartbeats(self, rq_worker) -> None:
-        ttl = self.cfg.worker.heartbeat_ttl_s
-        while True:
-            await asyncio.sleep(max(1.0, ttl / 3))
+    async def _feed(self) -> None:
+        idle = 0
+        while not self.stopping.is_set():
+            room = self.concurrency + self.prefetch - self._unparked()
+            if room <= 0:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            names = self.control.claimable()
+            got = 0
+            if names:
+                self._rotation = (self._rotation + 1) % len(names)
+                names = names[self._rotation:] + names[: self._rotation]
+                share = max(1, min(CLAIM_BATCH, room // len(names)))
+                lease_end = time.time() + self.ttl
+                try:
+                    batches = await asyncio.gather(*[self.batch(jobs.claim(ds, share, lease_end, self.name))
+                                                     for ds in names])
+                except REDIS_DOWN as exc:
+                    log.warning("worker %s: cannot claim jobs, redis unreachable: %s", self.name, exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                for ds, claimed in zip(names, batches, strict=True):
+                    for c in claimed:
+                        t = Tracked(c, ds)
+                        self.jobs[c.member] = t
+                        t.task = asyncio.create_task(run_job(self, t))
+                        got += 1
+            if got:
+                idle = 0
+                continue
+            if self.burst and not self.jobs:
+                return
+            idle += 1
+            self.wake.clear()
             try:
-                await self._sync(rq_adapter.heartbeat, self.conn, rq_worker, list(self._running.values()), ttl)
-            except redis.RedisError as exc:
-                log.warning("worker %s: heartbeat failed: %s", self.name, exc)
+                await asyncio.wait_for(self.wake.wait(), timeout=min(0.2, 0.002 * 2 ** min(idle, 7)))
+            except TimeoutError:
+                pass
 
+    # -- background loops ----------------------------------------------------------------
+    async def _every(self, interval_s: float, fn, what: str) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await fn()
+            except REDIS_DOWN as exc:
+                log.warning("worker %s: %s skipped, redis unreachable: %s", self.name, what, exc)
+            except Exception:  # a bug in a background loop must not kill the worker silently
+                log.exception("worker %s: %s failed", self.name, what)
+
+    async def _heartbeat(self) -> None:
+        leases = [(t.ds, t.claimed.member, t.claimed.job_id) for t in self.jobs.values()]
+        await self.sync(rq_adapter.heartbeat, self.conn, self.rq_worker, leases, self.ttl)
+
+    async def _maintain(self) -> None:
+        await self.sync(self.maintenance.run_once)
+
+    async def flush(self) -> None:
+        """Record job endings and stats counters (one round trip for many jobs)."""
+        if not self.endings and not self.stat_incr:
+            return
+        endings, self.endings = self.endings, []
+        incr, self.stat_incr = self.stat_incr, Counter()
+        try:
+            await self.sync(self._write, endings, incr)
+        except BaseException:
+            self.endings[:0] = endings  # keep them for the next try
+            self.stat_incr.update(incr)
+            raise
+
+    def _write(self, endings: list[rq_adapter.Ending], incr: Counter) -> None:
+        rq_adapter.record(self.conn, endings, self.name)
+        if incr:
+            with self.conn.pipeline(transaction=False) as pipe:
+                for (ds, field), n in incr.items():
+                    pipe.hincrby(keys.stats_key(ds), field, n)
+                pipe.execute()
+        self.processed += len(endings)
+
+    async def _publish(self) -> None:
+        """This worker's line in `budgetq status`: in flight, processed, endpoints' health."""
+        fields = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
+                  "concurrency": self.concurrency, "in_flight": self.slots.held, "claimed": len(self.jobs),
+                  "processed": self.processed, "endpoints": json.dumps(self.client.pool.snapshot())}
+        async with self.aconn.pipeline(transaction=False) as p:
+            p.hset(keys.worker_key(self.name), mapping=fields)
+            p.expire(keys.worker_key(self.name), self.ttl * 2)
+            p.sadd(keys.WORKERS, self.name)
+            await p.execute()
+
+    # -- shutdown ------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        """Requeue what has not started, give requests in flight the grace period, requeue the rest."""
+        for t in list(self.jobs.values()):
+            if t.phase in (Phase.PENDING, Phase.PARKED):
+                t.cancel("shutdown")
+        deadline = time.monotonic() + self.grace_s
+        while self.jobs and not self.forced and time.monotonic() < deadline:
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            except TimeoutError:
+                pass
+        if self.jobs:
+            log.warning("worker %s: requeueing %d jobs still in flight", self.name, len(self.jobs))
+        for t in list(self.jobs.values()):
+            t.cancel("shutdown", force=True)
+        tasks = [t.task for t in self.jobs.values() if t.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=15)
+
+    # -- main ----------------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
-        aconn = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
-            self.cfg.redis_url, max_connections=max(16, self.concurrency // 4)))
-        budget = AsyncBudget(aconn)
-        rq_worker = await self._sync(rq_adapter.register_worker, self.conn, self.name, [])
-        tasks: set[asyncio.Task] = set()
-        beat = asyncio.create_task(self._heartbeats(rq_worker))
-        connector = aiohttp.TCPConnector(limit=0)
-        log.info("worker %s: %d in flight max, servers %s", self.name, self.concurrency, self.cfg.server.urls)
+            loop.add_signal_handler(sig, self._on_signal, sig.name)
+        self._started_at = time.time()
+        self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8))
+        self.batch = Batcher(self.aconn)
+        self.maintenance = Maintenance(self.conn, self.cfg.worker.maintenance_interval_s)
+        self.rq_worker = await self.sync(rq_adapter.register_worker, self.conn, self.name)
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        self.client = SGLangClient(session, self.cfg.server, on_retry=lambda ds: self.count(ds, "retried"))
+        await self.control.tick()
+        log.info("worker %s: up to %d requests in flight, servers %s", self.name, self.concurrency,
+                 ", ".join(self.cfg.server.urls))
+        loops = [asyncio.create_task(c) for c in (
+            self._every(self.cfg.worker.control_interval_s, self.control.tick, "control"),
+            self._every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat"),
+            self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
+            self._every(FLUSH_INTERVAL_S, self.flush, "bookkeeping"),
+            self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
+        )]
         try:
-            async with aiohttp.ClientSession(connector=connector) as session:
-                client = SGLangClient(session, self.cfg.server)
-                while not self._stop.is_set():
-                    if len(tasks) >= self.concurrency + self.prefetch:
-                        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                        continue
-                    job_id = await self._sync(self._pop)
-                    if job_id is None:
-                        if self.burst and not tasks:
-                            break
-                        if self.burst:
-                            await asyncio.wait(tasks, timeout=0.05)
-                        continue
-                    t = asyncio.create_task(self._handle(job_id, budget, client))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
-                if tasks:
-                    log.info("worker %s: stopping, waiting up to %.0fs for %d jobs", self.name,
-                             self.grace_s, len(tasks))
-                    _done, pending = await asyncio.wait(tasks, timeout=self.grace_s)
-                    for t in pending:
-                        t.cancel()
-                    await asyncio.gather(*pending, return_exceptions=True)
+            await self._feed()
+            await self._drain()
         finally:
-            beat.cancel()
-            await self._sync(rq_worker.register_death)
-            await aconn.aclose()
-            self._pool.shutdown(wait=False)
-        log.info("worker %s: exited after %d jobs (peak %d in flight)", self.name, self.processed,
-                 self.in_flight_peak)
+            for t in loops:
+                t.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await self._close(session)
+        log.info("worker %s: exited after %d jobs (%s; peak %d in flight)", self.name, self.processed,
+                 ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())) or "none", self.in_flight_peak)
         return 0
+
+    async def _close(self, session: aiohttp.ClientSession) -> None:
+        for attempt in range(20):
+            try:
+                await self.flush()
+                break
+            except REDIS_DOWN as exc:
+                if attempt == 19:
+                    log.error("worker %s: could not record %d job endings: %s (their leases will expire and "
+                              "the maintenance pass will requeue them)", self.name, len(self.endings), exc)
+                await asyncio.sleep(0.5)
+        try:
+            await self.sync(self.rq_worker.register_death)
+            await self.aconn.delete(keys.worker_key(self.name))
+            await self.aconn.srem(keys.WORKERS, self.name)
+        except REDIS_DOWN as exc:
+            log.warning("worker %s: could not deregister: %s", self.name, exc)
+        await self.client.pool.close()
+        await session.close()
+        await self.aconn.aclose()
+        self._pool.shutdown(wait=False)
+

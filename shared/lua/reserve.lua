@@ -1,15 +1,19 @@
 -- reserve: admit one request against a dataset's token budget, atomically.
 -- KEYS: 1 conf (hash) 2 used (string) 3 resv (hash job->tokens) 4 reserved (string)
---       5 done (set) 6 stats (hash) 7 results (stream, unused)
--- ARGV: 1 job id  2 max_tokens of this request
+--       5 done (set) 6 stats (hash) 7 results 8 hist 9 rate (7-9 unused here)
+-- ARGV: 1 job id  2 max_tokens of this request  3 prompt tokens (counted only when
+--       conf.count == 'total'; 0 if unknown)
 -- Returns {status, tokens_reserved}; status is one of
 --   ADMIT      reservation written (or already held by this job: idempotent on retry)
 --   DONE       the prompt was already committed: do not send it again
 --   PAUSED     the dataset is paused by an operator
---   EXHAUSTED  the budget is crossed (soft) or can no longer fit this request (strict)
+--   EXHAUSTED  the budget is crossed (soft, drain) or can no longer fit this request (strict)
 --   WAIT       the budget may still fit it once requests in flight finish
+-- A reservation is the request's admission ticket: commit counts a result only while its
+-- ticket is held (see commit.lua), so withdrawing tickets stops late results from counting.
 local job = ARGV[1]
 local max_tokens = tonumber(ARGV[2])
+local prompt_tokens = tonumber(ARGV[3] or '0')
 if redis.call('SISMEMBER', KEYS[5], job) == 1 then
   return {'DONE', 0}
 end
@@ -17,7 +21,7 @@ local held = redis.call('HGET', KEYS[3], job)
 if held then
   return {'ADMIT', tonumber(held)}
 end
-local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'paused', 'prior_mean')
+local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'paused', 'prior_mean', 'count')
 local limit = tonumber(conf[1])
 if not limit then
   return redis.error_reply('budgetq: dataset not registered: ' .. KEYS[1])
@@ -25,42 +29,40 @@ end
 if conf[3] == '1' then
   return {'PAUSED', 0}
 end
+local mode = conf[2] or 'soft'
+local extra = 0
+if conf[5] == 'total' then extra = prompt_tokens end
 local used = tonumber(redis.call('GET', KEYS[2]) or '0')
 local reserved = tonumber(redis.call('GET', KEYS[4]) or '0')
 local est
-if conf[2] == 'strict' then
-  -- strict: reserve the worst case so used can never pass the limit.
-  est = max_tokens
-  if used + est > limit then
-    redis.call('HINCRBY', KEYS[6], 'skipped', 1)
-    return {'EXHAUSTED', 0}
-  end
+if mode == 'drain' then
+  -- The naive policy: admit while under the budget, reserve nothing.
+  if used >= limit then return {'EXHAUSTED', 0} end
+  redis.call('HSET', KEYS[3], job, 0)
+  return {'ADMIT', 0}
+elseif mode == 'strict' then
+  -- Reserve the worst case so used can never pass the limit.
+  est = max_tokens + extra
+  if used + est > limit then return {'EXHAUSTED', 0} end
 else
-  if used >= limit then
-    redis.call('HINCRBY', KEYS[6], 'skipped', 1)
-    return {'EXHAUSTED', 0}
-  end
-  local stats = redis.call('HMGET', KEYS[6], 'committed', 'sum_tokens', 'sum_sq_tokens')
-  local n = tonumber(stats[1] or '0')
-  -- Short answers finish first, so an early running mean is biased low: never reserve
-  -- below the configured prior.
+  if used >= limit then return {'EXHAUSTED', 0} end
+  -- A fresh request's expected length: the running mean of completed ones. Short answers
+  -- finish first, so an early mean is biased low: until enough results are in, never
+  -- reserve below the configured prior. Requests that keep running get their reservation
+  -- raised by the worker as they age (adjust.lua), which is what tapers the end.
+  local stats = redis.call('HMGET', KEYS[6], 'committed', 'truncated', 'sum_completion')
+  local n = tonumber(stats[1] or '0') + tonumber(stats[2] or '0')
   local mean = tonumber(conf[4] or '1')
-  local cv2 = 0
   if n > 0 then
-    local m = tonumber(stats[2] or '0') / n
-    if m > mean then mean = m end
-    if n > 1 then
-      cv2 = (tonumber(stats[3] or '0') / n - m * m) / (m * m)
-      if cv2 < 0 then cv2 = 0 end
-    end
+    local m = tonumber(stats[3] or '0') / n
+    if n >= 50 or m > mean then mean = m end
   end
-  -- Requests still in flight are length-biased (the long ones are the ones left running):
-  -- their expected length is mean * (1 + cv^2), the inspection paradox, so reserve that.
-  est = math.ceil(mean * (1 + cv2))
+  est = math.ceil(mean)
   if est > max_tokens then est = max_tokens end
   if est < 1 then est = 1 end
+  est = est + extra
   -- Fill the tail: with nothing in flight and budget left, always admit one.
-  if reserved == 0 then
+  if redis.call('HLEN', KEYS[3]) == 0 then
     redis.call('HSET', KEYS[3], job, est)
     redis.call('INCRBY', KEYS[4], est)
     return {'ADMIT', est}

@@ -1,0 +1,24 @@
+-- claim: take up to N jobs off a dataset's RQ queue and mark them started, atomically, so
+-- a worker killed at any instant never loses a job: a claimed job is in the started
+-- registry (rq:wip) with a lease, and the maintenance pass requeues it once the lease ends.
+-- KEYS: 1 RQ queue list  2 RQ started registry (zset of "<job id>:<execution id>")
+-- ARGV: 1 how many  2 lease end (unix seconds)  3 execution id prefix (unique per call)
+--       4 now as RQ formats dates  5 worker name
+-- Returns a list of {job id, execution id, flat HGETALL of the job hash}; a job whose hash
+-- has vanished (deleted by an operator) is dropped from the registry and not returned.
+local ids = redis.call('LPOP', KEYS[1], tonumber(ARGV[1]))
+if not ids then
+  return {}
+end
+local out = {}
+for i, id in ipairs(ids) do
+  local job_key = 'rq:job:' .. id
+  if redis.call('EXISTS', job_key) == 1 then
+    local exec = ARGV[3] .. i
+    redis.call('ZADD', KEYS[2], ARGV[2], id .. ':' .. exec)
+    redis.call('HSET', job_key, 'status', 'started', 'started_at', ARGV[4], 'last_heartbeat', ARGV[4],
+               'worker_name', ARGV[5])
+    out[#out + 1] = {id, exec, redis.call('HGETALL', job_key)}
+  end
+end
+return out

@@ -1,0 +1,212 @@
+"""One claimed job's life inside the concurrent worker.
+
+claimed -> (wait for a server slot) -> reserve -> request -> commit -> RQ bookkeeping, where
+reserve may say: DONE (already committed: finish), EXHAUSTED (skip), PAUSED (requeue and
+hold), WAIT (park without holding a slot; one parked job per dataset asks again as room
+frees). A task is cancelled with a reason: "budget" / "withdrawn" (its admission is gone:
+release, skip) or "shutdown" (requeue at the front, release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rq.job import Job
+from rq.utils import now
+
+from shared import budget, jobs
+from shared.budget import Admission, Outcome, Reservation
+from shared.errors import BadResponseError, FatalRequestError, RetryableRequestError
+from shared.jobs import Claimed
+from shared.retry import retry_redis
+from shared.schema import JobPayload
+from worker import rq_adapter
+from worker.process import build_row, estimate_prompt_tokens
+
+if TYPE_CHECKING:
+    from worker.runner import ConcurrentWorker
+
+log = logging.getLogger("budgetq.worker")
+End = rq_adapter.End
+
+
+class Phase(enum.Enum):
+    PENDING = "pending"        # claimed, waiting for a slot or its reservation
+    PARKED = "parked"          # the budget may fit it once requests in flight finish
+    SENDING = "sending"        # admitted, request at the server
+    COMMITTING = "committing"  # response in hand, being counted
+
+
+@dataclass
+class Tracked:
+    claimed: Claimed
+    ds: str
+    phase: Phase = Phase.PENDING
+    job: Job | None = None
+    payload: JobPayload | None = None
+    task: asyncio.Task | None = None
+    started_at: object = field(default_factory=now)
+    admitted_at: float = 0.0
+    reserved: int = 0
+    prompt_tokens: int = 0
+    abort_reason: str | None = None
+
+    def cancel(self, reason: str, force: bool = False) -> None:
+        """Cancel this job's task; a result being committed is only interrupted when forced."""
+        if self.task is None or self.task.done() or (self.phase is Phase.COMMITTING and not force):
+            return
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        self.task.cancel()
+
+
+async def run_job(w: ConcurrentWorker, t: Tracked) -> None:
+    try:
+        try:
+            t.job = rq_adapter.restore(w.conn, t.claimed)
+            t.payload = JobPayload.model_validate(t.job.args[0])
+        except Exception as exc:  # a bad payload fails this prompt only
+            log.warning("job %s: unreadable payload: %s", t.claimed.job_id, exc)
+            if t.job is None:
+                t.job = Job(t.claimed.job_id, connection=w.conn)
+            w.end(t, End.FAILED, reason=f"unreadable job payload: {exc}")
+            w.count(t.ds, "failed")
+            return
+        t.prompt_tokens = estimate_prompt_tokens(t.payload)
+        res = await _admit(w, t)
+        if res.status is Admission.ADMIT:
+            await _send(w, t, res)
+        elif res.status is Admission.DONE:
+            w.end(t, End.FINISHED, {"status": "already_done"})
+            w.count(t.ds, "already_done")
+        elif res.status is Admission.EXHAUSTED:
+            w.end(t, End.SKIPPED, {"status": "skipped"}, reason="budget exhausted")
+            w.count(t.ds, "skipped")
+        elif res.status is Admission.PAUSED:
+            w.control.mark_paused(t.ds)
+            await _requeue(w, t)
+    except asyncio.CancelledError:
+        await asyncio.shield(_on_cancel(w, t))
+    except Exception as exc:  # noqa: BLE001 - a bug must fail one job, never the worker
+        log.exception("job %s: unexpected error", t.claimed.job_id)
+        await asyncio.shield(_release(w, t))
+        w.end(t, End.FAILED, reason=f"{type(exc).__name__}: {exc}")
+        w.count(t.ds, "failed")
+    finally:
+        w.jobs.pop(t.claimed.member, None)
+        w.wake.set()
+
+
+async def _reserve(w: ConcurrentWorker, t: Tracked) -> Reservation:
+    call = budget.reserve(t.ds, t.claimed.job_id, t.payload.sampling.max_tokens, t.prompt_tokens)
+    return await retry_redis(lambda: w.batch(call), f"reserve {t.claimed.job_id}")
+
+
+async def _admit(w: ConcurrentWorker, t: Tracked) -> Reservation:
+    """A non-WAIT reservation; holds a server slot when it is ADMIT."""
+    while True:
+        if w.control.is_waiting(t.ds):
+            return await _admit_parked(w, t)
+        await w.slots.acquire()
+        try:
+            res = await _reserve(w, t)
+        except BaseException:
+            w.slots.release()
+            raise
+        if res.status is Admission.ADMIT:
+            return res
+        w.slots.release()
+        if res.status is not Admission.WAIT:
+            return res
+        w.control.mark_waiting(t.ds)
+
+
+async def _admit_parked(w: ConcurrentWorker, t: Tracked) -> Reservation:
+    """Near a soft budget: one job per dataset asks again whenever room may have freed."""
+    t.phase = Phase.PARKED
+    w.wake.set()  # a parked job does not count against claiming: let the feeder use its room
+    async with w.control.gate(t.ds):
+        t.phase = Phase.PENDING
+        delay = 0.02
+        while True:
+            await w.slots.acquire()
+            try:
+                res = await _reserve(w, t)
+            except BaseException:
+                w.slots.release()
+                raise
+            if res.status is not Admission.WAIT:
+                w.control.clear_waiting(t.ds)
+                if res.status is not Admission.ADMIT:
+                    w.slots.release()
+                return res
+            w.slots.release()
+            t.phase = Phase.PARKED
+            await w.control.wait_for_room(t.ds, delay)
+            t.phase = Phase.PENDING
+            delay = min(delay * 2, 0.5)
+
+
+async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
+    t.phase, t.admitted_at, t.reserved = Phase.SENDING, time.monotonic(), res.tokens
+    job_id = t.claimed.job_id
+    try:
+        try:
+            out = await w.client.complete(t.payload, rid=job_id)
+        finally:
+            w.slots.release()
+    except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:
+        log.warning("job %s failed: %s", job_id, exc)
+        await _release(w, t)
+        w.end(t, End.FAILED, reason=str(exc))
+        w.count(t.ds, "failed")
+        return
+    t.phase = Phase.COMMITTING
+    w.length.observe(out.completion_tokens, out.latency_s)
+    row = build_row(t.payload, out, w.client.model).model_dump_json()
+    call = budget.commit(t.ds, job_id, out.prompt_tokens, out.completion_tokens, out.finish_reason, row)
+    outcome = await retry_redis(lambda: w.batch(call), f"commit {job_id}")
+    w.control.room_freed(t.ds)
+    if outcome.kept:
+        w.end(t, End.FINISHED, {"status": outcome.value.lower(), "completion_tokens": out.completion_tokens})
+    elif outcome is Outcome.DUPLICATE:
+        w.end(t, End.FINISHED, {"status": "duplicate"})
+    else:  # REJECTED: its admission was withdrawn while it ran
+        w.end(t, End.SKIPPED, {"status": "rejected"}, reason="admission withdrawn before the result arrived")
+        w.count(t.ds, "skipped")
+    if outcome is Outcome.CROSSED:
+        w.control.budget_crossed(t.ds)
+
+
+async def _release(w: ConcurrentWorker, t: Tracked, generated: int = 0) -> None:
+    call = budget.release(t.ds, t.claimed.job_id, generated)
+    await retry_redis(lambda: w.batch(call), f"release {t.claimed.job_id}", give_up_after_s=60)
+    w.control.room_freed(t.ds)
+
+
+async def _requeue(w: ConcurrentWorker, t: Tracked) -> None:
+    call = jobs.requeue(t.ds, t.claimed.member, t.claimed.job_id)
+    await retry_redis(lambda: w.batch(call), f"requeue {t.claimed.job_id}", give_up_after_s=60)
+    w.control.room_freed(t.ds)
+
+
+async def _on_cancel(w: ConcurrentWorker, t: Tracked) -> None:
+    reason = t.abort_reason or "shutdown"
+    try:
+        if reason == "shutdown" or t.job is None:
+            await _requeue(w, t)  # the maintenance pass would do it too, a lease later
+            return
+        # The budget was crossed or the operator withdrew admissions: this request is dropped.
+        generated = 0
+        if t.phase is Phase.SENDING:
+            generated = int(w.length.generated_so_far(time.monotonic() - t.admitted_at))
+        await _release(w, t, generated)
+        w.end(t, End.SKIPPED, {"status": "aborted"}, reason=f"aborted in flight: {reason}")
+        w.count(t.ds, "aborted")
+    except Exception as exc:  # noqa: BLE001 - Redis gone: the lease will expire and it is requeued
+        log.warning("job %s: could not settle after cancel (%s): %s", t.claimed.job_id, reason, exc)
