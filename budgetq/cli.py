@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 
 from budgetq import cli_data, cli_ops, cli_sim
 from budgetq.cli_common import load, with_config
 from shared.errors import BudgetqError
 from shared.logs import setup_logging
+from shared.retry import REDIS_DOWN
 from shared.tokens import format_tokens, parse_tokens
 
 
@@ -48,34 +50,68 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return asyncio.run(w.run())
 
 
-def _set_conf(args: argparse.Namespace, field: str, value: str) -> int:
-    import redis
-
-    from shared import keys
+def _conn(args: argparse.Namespace):
+    from shared.redis_conn import connect
 
     cfg = load(args)
-    conn = redis.Redis.from_url(cfg.redis_url)
-    if not conn.sismember(keys.DATASETS, args.dataset):
-        raise BudgetqError(f"dataset {args.dataset!r} is not registered in {cfg.redis_url.split('@')[-1]}")
-    conn.hset(keys.conf_key(args.dataset), field, value)
-    print(f"{args.dataset}: {field} = {value}")
-    return 0
+    return cfg, connect(cfg.redis_url)
 
 
 def cmd_budget_set(args: argparse.Namespace) -> int:
+    from shared import control
+
     try:
         tokens = parse_tokens(args.tokens)
     except ValueError as exc:
         raise BudgetqError(f"budget for {args.dataset}: {exc}") from None
-    return _set_conf(args, "limit", str(tokens))
+    _cfg, conn = _conn(args)
+    old, aborted = control.set_budget(conn, args.dataset, tokens, args.abort_in_flight)
+    print(f"{args.dataset}: budget {format_tokens(old)} -> {format_tokens(tokens)}"
+          + (f"; aborted {aborted} requests in flight" if args.abort_in_flight else ""))
+    return 0
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    return _set_conf(args, "paused", "1")
+    from shared import control
+
+    _cfg, conn = _conn(args)
+    paused = args.cmd == "pause"
+    aborted = control.set_paused(conn, args.dataset, paused, getattr(args, "abort_in_flight", False))
+    print(f"{args.dataset}: {'paused' if paused else 'resumed'}"
+          + (f"; aborted {aborted} requests in flight" if aborted else ""))
+    return 0
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
-    return _set_conf(args, "paused", "0")
+def cmd_retry_failed(args: argparse.Namespace) -> int:
+    from shared import budget, control
+
+    _cfg, conn = _conn(args)
+    names = args.dataset or budget.dataset_names(conn)
+    counts = control.retry_failed(conn, names)
+    for ds, n in counts.items():
+        print(f"{ds}: requeued {n} failed jobs")
+    if sum(counts.values()):
+        print("their results are collected by a running `budgetq produce` (start one if the run had ended)")
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    from producer.reconcile import reconcile
+
+    cfg, conn = _conn(args)
+    names = args.dataset or [d.name for d in cfg.datasets]
+    if not names:
+        raise BudgetqError("reconcile needs the datasets of a config (-c CONFIG)")
+    reports = [reconcile(conn, cfg, cfg.dataset(n), rebuild=args.rebuild, force=args.force) for n in names]
+    if args.json:
+        print(json.dumps([r.as_dict() for r in reports], indent=2))
+    for r in reports if not args.json else []:
+        diff = r.used_after - r.used_before
+        print(f"{r.dataset}: {r.rows_on_disk} rows on disk, {r.rows_in_stream} waiting in Redis; "
+              f"used {r.used_before} -> {r.used_after} (files say {r.used_expected}, {diff:+d}); "
+              f"adopted {r.adopted} rows (+{r.tokens_added} tokens); {r.stale_done} done ids without a row"
+              + ("" if r.rebuilt or not r.stale_done else " (run with --rebuild to forget them)"))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -94,14 +130,29 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--grace-s", type=float, help="overrides worker.grace_s")
     sp.set_defaults(func=cmd_worker)
     bp = sub.add_parser("budget", help="change a budget live").add_subparsers(dest="bcmd", required=True)
-    sp = with_config(bp.add_parser("set"))
+    sp = with_config(bp.add_parser("set", help="set a dataset's budget (effective on the next admission)"))
     sp.add_argument("dataset")
-    sp.add_argument("tokens")
+    sp.add_argument("tokens", help="e.g. 12M, 2.5k, 10_000_000")
+    sp.add_argument("--abort-in-flight", action="store_true",
+                    help="also cancel the dataset's requests in flight (their results will not count)")
     sp.set_defaults(func=cmd_budget_set)
-    for name, fn in (("pause", cmd_pause), ("resume", cmd_resume)):
-        sp = with_config(sub.add_parser(name, help=f"{name} a dataset"))
+    for name in ("pause", "resume"):
+        sp = with_config(sub.add_parser(name, help=f"{name} a dataset (effective on the next admission)"))
         sp.add_argument("dataset")
-        sp.set_defaults(func=fn)
+        if name == "pause":
+            sp.add_argument("--abort-in-flight", action="store_true", help="also cancel its requests in flight")
+        sp.set_defaults(func=cmd_pause)
+    sp = with_config(sub.add_parser("retry-failed", help="requeue failed jobs (all datasets, or those named)"))
+    sp.add_argument("dataset", nargs="*")
+    sp.set_defaults(func=cmd_retry_failed)
+    sp = with_config(sub.add_parser("reconcile", help="rebuild counters and done sets from the output files"))
+    sp.add_argument("dataset", nargs="*")
+    sp.add_argument("--output-dir")
+    sp.add_argument("--rebuild", action="store_true",
+                    help="set used and the done set to exactly what the files say (else: only add what is missing)")
+    sp.add_argument("--force", action="store_true", help="run even with requests in flight")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_reconcile)
     sp = sub.add_parser("demo", help="the whole pipeline on one machine with bundled data")
     sp.add_argument("--redis-url")
     sp.add_argument("--workers", type=int, default=2)
@@ -128,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (BudgetqError, FileNotFoundError) as exc:
         print(f"budgetq: error: {exc}", file=sys.stderr)
+        return 2
+    except REDIS_DOWN as exc:
+        print(f"budgetq: error: cannot reach Redis: {exc}", file=sys.stderr)
         return 2
 
 

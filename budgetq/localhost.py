@@ -1,8 +1,9 @@
-"""Local helpers for the demo and tests: free ports, a private redis-server, waiting on HTTP."""
+"""Local helpers for the demo, tests and benchmarks: free ports, a private redis-server, HTTP waits."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -33,32 +34,55 @@ def wait_http(url: str, timeout_s: float = 15.0) -> None:
 
 
 class LocalRedis:
-    def __init__(self, appendonly: bool = False) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
+    """A private redis-server on a free port in a temp dir (never the shared one on 6379).
+
+    ``appendonly`` turns on AOF with fsync every second, as docker-compose.yml does, so
+    ``kill()`` + ``start()`` behaves like a crashed and restarted production Redis.
+    """
+
+    def __init__(self, appendonly: bool = False, password: str | None = None) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
             raise BudgetqError("redis-server not found on PATH: install it (apt-get install -y redis-server) "
                                "or pass --redis-url")
         self.dir = tempfile.mkdtemp(prefix="budgetq-redis-")
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
-             "--appendonly", "yes" if appendonly else "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.appendonly = appendonly
+        self.password = password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
-        for _ in range(200):
+        for _ in range(500):
             try:
                 client.ping()
                 return
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.BusyLoadingError):
                 time.sleep(0.02)
         self.stop()
         raise BudgetqError(f"redis-server on port {self.port} did not start")
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
+    def kill(self) -> None:
+        """SIGKILL, like a crash: what AOF has written survives a restart with ``start()``."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)

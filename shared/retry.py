@@ -20,7 +20,7 @@ T = TypeVar("T")
 log = logging.getLogger("budgetq.retry")
 
 # Errors that mean "Redis is not reachable right now" (as opposed to a bad command).
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError, OSError)
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError)
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float) -> float:
