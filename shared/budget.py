@@ -64,9 +64,15 @@ def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, fin
                       lambda r: Outcome(_text(r[0])))
 
 
-def release(ds: str, job_id: str, generated: int = 0) -> ScriptCall[int]:
-    """Give a reservation back; ``generated`` tokens made for nothing are counted as waste."""
-    return ScriptCall("release", keys.budget_keys(ds), [job_id, generated], int)
+def release(ds: str, job_id: str, generated: int = 0, member: str | None = None) -> ScriptCall[int]:
+    """Give a reservation back; ``generated`` tokens made for nothing are counted as waste.
+
+    With ``member`` (the caller's started-registry entry), only while the caller still holds
+    the job; returns -1 if it does not (its lease ran out and the job was requeued).
+    """
+    if member is None:
+        return ScriptCall("release", keys.budget_keys(ds), [job_id, generated], int)
+    return ScriptCall("release", [*keys.budget_keys(ds), keys.rq_wip_key(ds)], [job_id, generated, member], int)
 
 
 def adjust(ds: str, tokens_by_job: dict[str, int]) -> ScriptCall[int]:

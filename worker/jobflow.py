@@ -94,9 +94,9 @@ async def run_job(w: ConcurrentWorker, t: Tracked) -> None:
         await asyncio.shield(_on_cancel(w, t))
     except Exception as exc:  # noqa: BLE001 - a bug must fail one job, never the worker
         log.exception("job %s: unexpected error", t.claimed.job_id)
-        await asyncio.shield(_release(w, t))
-        w.end(t, End.FAILED, reason=f"{type(exc).__name__}: {exc}")
-        w.count(t.ds, "failed")
+        if await asyncio.shield(_release(w, t)):
+            w.end(t, End.FAILED, reason=f"{type(exc).__name__}: {exc}")
+            w.count(t.ds, "failed")
     finally:
         w.jobs.pop(t.claimed.member, None)
         w.wake.set()
@@ -162,9 +162,9 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
             w.slots.release()
     except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:
         log.warning("job %s failed: %s", job_id, exc)
-        await _release(w, t)
-        w.end(t, End.FAILED, reason=str(exc))
-        w.count(t.ds, "failed")
+        if await _release(w, t):
+            w.end(t, End.FAILED, reason=str(exc))
+            w.count(t.ds, "failed")
         return
     t.phase = Phase.COMMITTING
     w.length.observe(out.completion_tokens, out.latency_s)
@@ -183,10 +183,16 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
         w.control.budget_crossed(t.ds)
 
 
-async def _release(w: ConcurrentWorker, t: Tracked, generated: int = 0) -> None:
-    call = budget.release(t.ds, t.claimed.job_id, generated)
-    await retry_redis(lambda: w.batch(call), f"release {t.claimed.job_id}", give_up_after_s=60)
+async def _release(w: ConcurrentWorker, t: Tracked, generated: int = 0) -> bool:
+    """Release this job's reservation; False if we no longer hold the job (lease lost)."""
+    call = budget.release(t.ds, t.claimed.job_id, generated, member=t.claimed.member)
+    released = await retry_redis(lambda: w.batch(call), f"release {t.claimed.job_id}", give_up_after_s=60)
     w.control.room_freed(t.ds)
+    if released < 0:
+        log.warning("job %s: our lease ran out (it was requeued and may run elsewhere): dropping our copy",
+                    t.claimed.job_id)
+        return False
+    return True
 
 
 async def _requeue(w: ConcurrentWorker, t: Tracked) -> None:
@@ -205,8 +211,8 @@ async def _on_cancel(w: ConcurrentWorker, t: Tracked) -> None:
         generated = 0
         if t.phase is Phase.SENDING:
             generated = int(w.length.generated_so_far(time.monotonic() - t.admitted_at))
-        await _release(w, t, generated)
-        w.end(t, End.SKIPPED, {"status": "aborted"}, reason=f"aborted in flight: {reason}")
-        w.count(t.ds, "aborted")
+        if await _release(w, t, generated):
+            w.end(t, End.SKIPPED, {"status": "aborted"}, reason=f"aborted in flight: {reason}")
+            w.count(t.ds, "aborted")
     except Exception as exc:  # noqa: BLE001 - Redis gone: the lease will expire and it is requeued
         log.warning("job %s: could not settle after cancel (%s): %s", t.claimed.job_id, reason, exc)

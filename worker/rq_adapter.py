@@ -37,6 +37,7 @@ class End(enum.Enum):
 class Ending:
     kind: End
     job: Job
+    ds: str
     execution_id: str
     started_at: Any
     result: dict | None = None
@@ -56,14 +57,24 @@ def register_worker(conn: redis.Redis, name: str) -> Worker:
     return w
 
 
-def record(conn: redis.Redis, endings: list[Ending], worker_name: str) -> None:
-    """Write many job endings in one round trip."""
+def record(conn: redis.Redis, endings: list[Ending], worker_name: str) -> int:
+    """Write many job endings in two round trips; returns how many were written.
+
+    An ending is dropped when this worker no longer holds the job (its lease ran out and
+    the maintenance pass requeued it): the job's new holder records how it ends.
+    """
     if not endings:
-        return
+        return 0
     with conn.pipeline(transaction=False) as pipe:
         for e in endings:
+            pipe.zscore(keys.rq_wip_key(e.ds), f"{e.job.id}:{e.execution_id}")
+        held = pipe.execute()
+    mine = [e for e, score in zip(endings, held, strict=True) if score is not None]
+    with conn.pipeline(transaction=False) as pipe:
+        for e in mine:
             _record_one(pipe, e, worker_name)
         pipe.execute()
+    return len(mine)
 
 
 def _record_one(pipe: redis.client.Pipeline, e: Ending, worker_name: str) -> None:

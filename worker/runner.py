@@ -97,7 +97,7 @@ class ConcurrentWorker:
         self.stat_incr[(ds, field)] += by
 
     def end(self, t: Tracked, kind: rq_adapter.End, result: dict | None = None, reason: str = "") -> None:
-        self.endings.append(rq_adapter.Ending(kind, t.job, t.claimed.execution_id, t.started_at, result, reason))
+        self.endings.append(rq_adapter.Ending(kind, t.job, t.ds, t.claimed.execution_id, t.started_at, result, reason))
         self.outcomes[(result or {}).get("status", kind.value)] += 1
 
     # -- signals -------------------------------------------------------------------------

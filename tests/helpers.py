@@ -1,0 +1,153 @@
+"""Helpers shared by the integration tests: configs, processes, and the invariants of DESIGN.md s5."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import redis
+import yaml
+from rq.registry import CanceledJobRegistry, FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from shared import keys
+from shared.schema import safe_job_id
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = [sys.executable, "-m", "budgetq.cli", "--log-level", "WARNING"]
+
+
+def write_dataset(path: Path, n: int, start: int = 0, bad_lines: dict[int, str] | None = None) -> list[str]:
+    """n prompt rows with ids p<i>; returns the ids."""
+    ids = [f"p{i}" for i in range(start, start + n)]
+    lines = [json.dumps({"id": i, "prompt": f"question {i}"}) for i in ids]
+    for at, text in (bad_lines or {}).items():
+        lines.insert(at - 1, text)
+    path.write_text("\n".join(lines) + "\n")
+    return ids
+
+
+def write_config(tmp_path: Path, redis_url: str, sims: list[str], datasets: list[dict], **extra) -> Path:
+    cfg = {"redis_url": redis_url, "server": {"urls": sims, **extra.pop("server", {})},
+           "output_dir": str(tmp_path / "out"), "datasets": datasets, **extra}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class Procs:
+    """budgetq worker/producer subprocesses of one test, all stopped at the end."""
+
+    def __init__(self, cfg: Path, log_dir: Path) -> None:
+        self.cfg = cfg
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self._n = 0
+
+    def start(self, *args: str) -> subprocess.Popen:
+        self._n += 1
+        log = open(self.log_dir / f"{args[0]}-{self._n}.log", "w")
+        p = subprocess.Popen([*PY, *args, "-c", str(self.cfg)], cwd=ROOT, env=dict(os.environ),
+                             stdout=log, stderr=subprocess.STDOUT)
+        p.log_path = log.name  # type: ignore[attr-defined]
+        self.procs.append(p)
+        return p
+
+    def worker(self, *extra: str) -> subprocess.Popen:
+        return self.start("worker", *extra)
+
+    def producer(self) -> subprocess.Popen:
+        return self.start("produce")
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 40
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    @staticmethod
+    def log(p: subprocess.Popen) -> str:
+        return Path(p.log_path).read_text()  # type: ignore[attr-defined]
+
+
+def wait_for(cond, timeout_s: float, what: str, every_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def sim_get(sim: str, path: str):
+    with urllib.request.urlopen(sim + path, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def check_invariants(conn: redis.Redis, out: Path, ds: str, valid_ids: list[str], count: str = "completion") -> dict:
+    """I1 (used == sum of counted tokens on disk), I2 (no id twice), I3 (every valid row in one state)."""
+    kept = rows(out / f"{ds}.jsonl")
+    truncated = rows(out / f"{ds}.truncated.jsonl")
+    ids = [r["id"] for r in kept + truncated]
+    assert len(ids) == len(set(ids)), f"{ds}: an id appears twice in the output"
+    counted = sum(r["completion_tokens"] + (r["prompt_tokens"] if count == "total" else 0) for r in kept)
+    used = int(conn.get(keys.used_key(ds)) or 0)
+    assert used == counted, f"{ds}: used {used} != {counted} counted on disk"
+    name = keys.queue_name(ds)
+    skipped = set(CanceledJobRegistry(name, connection=conn, serializer=JSONSerializer).get_job_ids(cleanup=False))
+    failed = set(FailedJobRegistry(name, connection=conn, serializer=JSONSerializer).get_job_ids(cleanup=False))
+    states = {"committed": 0, "skipped": 0, "failed": 0, "never_enqueued": 0}
+    on_disk = set(ids)
+    for pid in valid_ids:
+        jid = safe_job_id(ds, pid)
+        where = [s for s, hit in (("committed", pid in on_disk), ("skipped", jid in skipped),
+                                  ("failed", jid in failed)) if hit]
+        if not where:
+            status = conn.hget(keys.rq_job_key(jid), "status")
+            assert status is None, f"{ds}: {pid} is neither committed, skipped nor failed (RQ status {status})"
+            where = ["never_enqueued"]
+        assert len(where) == 1, f"{ds}: {pid} is in several states: {where}"
+        states[where[0]] += 1
+    assert conn.llen(keys.rq_queue_key(ds)) == 0 and conn.zcard(keys.rq_wip_key(ds)) == 0
+    assert conn.hlen(keys.resv_key(ds)) == 0 and int(conn.get(keys.reserved_key(ds)) or 0) == 0
+    return {"used": used, "rows": len(kept), **states}
+
+
+def start_sim(port: int, *args: str) -> subprocess.Popen:
+    p = subprocess.Popen([*PY, "sim", "--port", str(port), *args], cwd=ROOT, env=dict(os.environ))
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return p
+
+
+def wait_http(url: str, timeout_s: float = 15.0) -> None:
+    from budgetq.localhost import wait_http as _wait
+
+    _wait(url, timeout_s)
+
+
+def holders(conn: redis.Redis, ds: str, pid: int) -> set[str]:
+    """Job ids a worker process (by pid) holds in the started registry right now."""
+    held = set()
+    for m in conn.zrange(keys.rq_wip_key(ds), 0, -1):
+        job_id = m.decode().rsplit(":", 1)[0]
+        name = conn.hget(keys.rq_job_key(job_id), "worker_name") or b""
+        if f"-{pid}-" in name.decode():
+            held.add(job_id)
+    return held
