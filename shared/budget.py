@@ -110,6 +110,11 @@ class DatasetState:
     in_flight: int
     max_tokens: int
     stats: dict[str, int]
+    # Added for status/monitor (defaults keep older callers working).
+    count: str = "completion"
+    keep: str = "all"
+    prior_mean: int = 0
+    registered_at: float | None = None
 
     @property
     def exhausted(self) -> bool:
@@ -133,6 +138,9 @@ def dataset_state(client: redis.Redis, name: str) -> DatasetState:
         name=name, limit=int(conf.get("limit", 0)), mode=conf.get("mode", "soft"),
         paused=conf.get("paused") == "1", used=int(used or 0), reserved=int(reserved or 0),
         in_flight=int(in_flight), max_tokens=int(conf.get("max_tokens", 0)), stats=stats_i,
+        count=conf.get("count", "completion"), keep=conf.get("keep", "all"),
+        prior_mean=int(float(conf.get("prior_mean", 0))),
+        registered_at=float(conf["registered_at"]) if conf.get("registered_at") else None,
     )
 
 
