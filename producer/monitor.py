@@ -16,6 +16,7 @@ import binascii
 import hmac
 import ipaddress
 import logging
+import signal
 import threading
 import time
 from importlib import resources
@@ -205,7 +206,12 @@ async def serve_forever(cfg: Config, host: str | None = None, port: int | None =
                         allow_unauthenticated: bool = False) -> None:
     """``budgetq monitor``: serve until cancelled (Ctrl-C / SIGTERM)."""
     runner = await start_monitor(cfg, host, port, allow_unauthenticated)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # docker stop / Ctrl-C: close the port, exit 0
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()
+        log.info("monitor stopped")

@@ -48,9 +48,10 @@ def url_password(url: str | None) -> str | None:
     if not url:
         return None
     try:
-        return urlsplit(url).password
+        pw = urlsplit(url).password
     except ValueError:
         return None
+    return unquote(pw) if pw else None
 
 
 def redact_url(url: str) -> str:

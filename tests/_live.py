@@ -5,10 +5,13 @@ Shared by test_status, test_monitor and test_secrets (pytest puts tests/ on sys.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,3 +90,15 @@ def run(cfg_path: Path, tmp_path: Path, workers: list[list[str]] | None = None, 
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def http_get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str, str]:
+    """(status, content type, body) of a GET, with optional HTTP basic auth; errors are answers too."""
+    req = urllib.request.Request(url)
+    if auth:
+        req.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()

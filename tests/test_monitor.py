@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import shutil
 import subprocess
 import tempfile
-import urllib.error
-import urllib.request
 from html.parser import HTMLParser
 
 import pytest
-from _live import CLI, ROOT, rows, run, three_datasets, write_config
+from _live import CLI, ROOT, http_get, rows, run, three_datasets, write_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from budgetq.localhost import free_port, wait_http
@@ -23,17 +20,6 @@ from shared.budget import SyncBudget, register_dataset
 from shared.config import Config, DatasetConfig, MonitorConfig
 from shared.errors import ConfigError
 from shared.status import COUNT_FIELDS
-
-
-def _get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str, str]:
-    req = urllib.request.Request(url)
-    if auth:
-        req.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -66,14 +52,14 @@ def test_api_and_metrics_serve_the_snapshot(redis_url, conn):
     port = mon.start()
     try:
         base = f"http://127.0.0.1:{port}"
-        status, ctype, body = _get(base + "/api/status")
+        status, ctype, body = http_get(base + "/api/status")
         assert status == 200 and ctype.startswith("application/json")
         snap = json.loads(body)
         (b2,) = snap["datasets"]
         assert (b2["dataset"], b2["used"], b2["budget"], b2["counts"]["committed"]) == ("B2", 100, 10_000, 2)
         assert len(b2["history"]) == 120  # the page's chart: 10 minutes of 5 s buckets
 
-        status, ctype, text = _get(base + "/metrics")
+        status, ctype, text = http_get(base + "/metrics")
         assert status == 200 and ctype.startswith("text/plain")
         m = _samples(text)
         ds = (("dataset", "B2"),)
@@ -88,7 +74,7 @@ def test_api_and_metrics_serve_the_snapshot(redis_url, conn):
         assert m[("budgetq_endpoint_healthy", (("endpoint", "http://sg:30000"),))] == 1
         assert m[("budgetq_endpoint_in_flight", (("endpoint", "http://sg:30000"),))] == 2
 
-        status, ctype, page = _get(base + "/")
+        status, ctype, page = http_get(base + "/")
         assert status == 200 and ctype.startswith("text/html")
         assert "api/status" in page and not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # no external asset
     finally:
@@ -103,10 +89,10 @@ def test_basic_auth_guards_everything_but_healthz(redis_url, conn):
     try:
         base = f"http://127.0.0.1:{port}"
         for path in ("/", "/api/status", "/metrics"):
-            assert _get(base + path)[0] == 401
-            assert _get(base + path, ("ops", "wrong"))[0] == 401
-            assert _get(base + path, ("ops", "s3cret-monitor-pw"))[0] == 200
-        assert _get(base + "/healthz")[:1] == (200,)
+            assert http_get(base + path)[0] == 401
+            assert http_get(base + path, ("ops", "wrong"))[0] == 401
+            assert http_get(base + path, ("ops", "s3cret-monitor-pw"))[0] == 200
+        assert http_get(base + "/healthz")[:1] == (200,)
     finally:
         mon.stop()
 
