@@ -171,3 +171,34 @@ def test_redact_helpers():
     assert logs.url_password("rediss://u:p%40ss@h:6380/0") == "p@ss"
     logs.register_secret("abc")  # too short to mask safely: ignored
     assert logs.redact("abc def") == "abc def"
+
+
+def test_status_and_monitor_need_only_read_access(secure_redis):
+    """Both only read: a Redis ACL user limited to read commands on bq:* and rq:* keys is enough."""
+    from producer.monitor import MonitorThread
+    from shared.budget import SyncBudget, register_dataset
+    from shared.config import Config, DatasetConfig
+
+    admin = secure_redis["admin"]
+    admin.flushall()
+    register_dataset(admin, DatasetConfig(name="R1", path="x", budget="1k", sampling={"max_tokens": 10}))
+    SyncBudget(admin).reserve("R1", "R1-a", 10)
+    admin.sadd("bq:workers", "w-gone")
+    admin.xadd("bq:control", {"ts": 1.0, "who": "a@b", "action": "pause", "dataset": "R1", "old": "0", "new": "1"})
+    viewer_pw = f"view-{uuid.uuid4().hex}"
+    admin.acl_setuser("viewer", enabled=True, reset=True, passwords=[f"+{viewer_pw}"], keys=["bq:*", "rq:*"],
+                      commands=["-@all", "+@read", "+time", "+ping"])
+    admin.acl_log_reset()
+    url = f"redis://viewer:{viewer_pw}@127.0.0.1:{secure_redis['port']}/0"
+    out = subprocess.run([*CLI, "status", "--json", "--redis-url", url], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["datasets"][0]["in_flight"] == 1
+    mon = MonitorThread(Config(redis_url=url), port=0)
+    port = mon.start()
+    try:
+        for path in ("/api/status", "/metrics"):
+            assert http_get(f"http://127.0.0.1:{port}{path}")[0] == 200
+    finally:
+        mon.stop()
+    assert admin.acl_log() == []  # no command was refused
