@@ -73,6 +73,8 @@ def test_default_stack_has_every_service_wired_for_health_and_scale():
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
     assert services["worker"]["depends_on"]["sim"]["condition"] == "service_healthy"
 
+    for name in ("sim", "producer", "worker", "monitor"):
+        assert services[name]["init"] is True, f"{name}: without an init, PID 1 python ignores SIGTERM"
     worker = services["worker"]
     assert "container_name" not in worker and "ports" not in worker  # `--scale worker=8` works
     assert worker["deploy"]["replicas"] == 2
