@@ -119,6 +119,9 @@ class DatasetState:
     stats: dict[str, int]
     abort_epoch: int = 0
     count: str = "completion"
+    keep: str = "all"
+    prior_mean: int = 0
+    registered_at: float | None = None
 
     @property
     def exhausted(self) -> bool:
@@ -145,6 +148,8 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
         paused=conf.get("paused") == "1", used=int(used or 0), reserved=int(reserved or 0),
         in_flight=int(in_flight), max_tokens=int(conf.get("max_tokens", 0)), stats=stats_i,
         abort_epoch=int(conf.get("abort_epoch", 0)), count=conf.get("count", "completion"),
+        keep=conf.get("keep", "all"), prior_mean=int(float(conf.get("prior_mean", 0))),
+        registered_at=float(conf["registered_at"]) if conf.get("registered_at") else None,
     )
 
 

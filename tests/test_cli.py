@@ -27,7 +27,7 @@ def test_status_budget_pause_resume(tmp_path, redis_url, conn):
     run(conn, budget.commit("B2", "j1", 3, 77, "stop", "{}"))
     out = _cli("status", "--redis-url", redis_url, "--json")
     assert out.returncode == 0, out.stderr
-    (row,) = json.loads(out.stdout)
+    (row,) = json.loads(out.stdout)["datasets"]
     assert row["dataset"] == "B2" and row["budget"] == 10_000_000 and row["used"] == 77 and not row["paused"]
 
     assert _cli("budget", "set", "B2", "12.5M", "--redis-url", redis_url).returncode == 0

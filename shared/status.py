@@ -1,0 +1,258 @@
+"""One status snapshot of a budgetq deployment, read from Redis.
+
+The single source for ``budgetq status`` (text and ``--json``), the web monitor's page and
+JSON API, its Prometheus ``/metrics``, and the producer's progress display. Read-only: it
+never writes to Redis and never runs RQ's registry cleanup, so it is safe to call every
+second from many places (and works with a read-only Redis ACL user).
+
+The schema is documented field by field in docs/operations.md; ``SCHEMA_VERSION`` changes
+only when a field is removed or changes meaning (adding a field does not).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from rq.registry import FailedJobRegistry
+
+from shared import keys
+from shared.budget import DatasetState, dataset_state
+from shared.logs import redact_url
+
+SCHEMA_VERSION = 1
+TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
+HISTORY_S = 600              # the tokens-over-time series covers this many seconds
+CONTROL_ENTRIES = 10         # operator actions shown
+# Job outcome counters of the stats hash, always present in a snapshot (0 when missing).
+COUNT_FIELDS = ("committed", "truncated", "skipped", "failed", "invalid", "duplicate", "aborted",
+                "requeued", "retried", "recovered")
+# Token counters of the stats hash -> their names in a snapshot's "tokens" object.
+TOKEN_FIELDS = {"sum_tokens": "counted", "generated_tokens": "generated", "wasted_tokens": "wasted"}
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _num(v: Any, kind: type = int, default: Any = 0) -> Any:
+    """A number from a Redis field written by another process; a missing or bad one -> default."""
+    if v is None:
+        return default
+    try:
+        x = float(_text(v))
+    except ValueError:
+        return default
+    if math.isnan(x) or math.isinf(x):
+        return default
+    return int(x) if kind is int else x
+
+
+def redis_location(url: str) -> tuple[str, bool]:
+    """``host:port/db`` of a Redis URL (never the user or password), and whether it uses TLS."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path, False
+    db = parts.path.lstrip("/") or "0"
+    host = parts.hostname or "localhost"
+    port = parts.port or 6379
+    return f"{host}:{port}/{db}", parts.scheme == "rediss"
+
+
+def server_now(conn: redis.Redis) -> float:
+    """Redis' clock: rate buckets are keyed on it, so ours must not drift from it."""
+    sec, usec = conn.time()
+    return sec + usec / 1e6
+
+
+def _bucket(t: float) -> int:
+    return int(t // keys.RATE_BUCKET_S) * keys.RATE_BUCKET_S
+
+
+def _state(st: DatasetState, queued: int) -> str:
+    if st.paused:
+        return "paused"
+    if st.exhausted:
+        return "draining" if st.in_flight else "done"
+    if st.in_flight or queued:
+        return "running"
+    return "idle"
+
+
+def _rate(st: DatasetState, buckets: dict[int, int], now: float) -> float:
+    """Tokens per second over the last TOK_S_WINDOW_S (from this run's registration on, if later)."""
+    start = _bucket(now) - TOK_S_WINDOW_S
+    since = start
+    if st.registered_at is not None and st.registered_at > start:
+        start, since = _bucket(st.registered_at), st.registered_at
+    tokens = sum(v for t, v in buckets.items() if t >= start)
+    return tokens / max(1.0, now - since)
+
+
+def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
+                      history_s: int = HISTORY_S) -> list[dict[str, Any]]:
+    """Budget, progress, counters, tok/s, ETA and recent history of each named dataset."""
+    names = list(names)
+    states = [dataset_state(conn, n) for n in names]
+    n_hist = max(history_s, TOK_S_WINDOW_S + keys.RATE_BUCKET_S) // keys.RATE_BUCKET_S
+    last = _bucket(now)
+    fields = [last - i * keys.RATE_BUCKET_S for i in range(n_hist - 1, -1, -1)]
+    pipe = conn.pipeline(transaction=False)
+    for n in names:
+        pipe.llen(keys.rq_queue_key(n))
+        # RQ's failed registry by RQ's own key name; ZCARD = get_job_count(cleanup=False).
+        pipe.zcard(FailedJobRegistry(keys.queue_name(n), connection=conn).key)
+        pipe.hmget(keys.rate_key(n), [str(f) for f in fields])
+    replies = pipe.execute()
+    out = []
+    for i, st in enumerate(states):
+        queued, failed_reg, rate_vals = replies[3 * i: 3 * i + 3]
+        buckets = {t: _num(v) for t, v in zip(fields, rate_vals, strict=True)}
+        tok_s = _rate(st, buckets, now)
+        remaining = max(0, st.limit - st.used)
+        if st.used >= st.limit:
+            eta = 0.0
+        elif tok_s > 0:
+            eta = remaining / tok_s
+        else:
+            eta = None
+        committed = st.stats.get("committed", 0)
+        history = [[t, buckets[t]] for t in fields if t > last - history_s]
+        out.append({
+            "dataset": st.name,
+            "state": _state(st, int(queued)),
+            "mode": st.mode,
+            "count": st.count,
+            "keep": st.keep,
+            "paused": st.paused,
+            "exhausted": st.exhausted,
+            "budget": st.limit,
+            "used": st.used,
+            "remaining": remaining,
+            "used_pct": round(100.0 * st.used / st.limit, 3) if st.limit else None,
+            "reserved": st.reserved,
+            "in_flight": st.in_flight,
+            "queued": int(queued),
+            "failed_registry": int(failed_reg),
+            "max_tokens": st.max_tokens,
+            "prior_mean": st.prior_mean,
+            "mean_tokens": round(st.stats.get("sum_tokens", 0) / committed, 1) if committed else None,
+            "counts": {f: st.stats.get(f, 0) for f in COUNT_FIELDS},
+            "tokens": {name: st.stats.get(f, 0) for f, name in TOKEN_FIELDS.items()},
+            "tok_s": round(tok_s, 2),
+            "eta_s": None if eta is None else round(eta, 1),
+            "registered_at": st.registered_at,
+            "history": history,
+        })
+    return out
+
+
+def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
+    """Live workers (a name whose hash has expired is a dead worker and is left out)."""
+    names = sorted(_text(n) for n in conn.smembers(keys.WORKERS))
+    pipe = conn.pipeline(transaction=False)
+    for n in names:
+        pipe.hgetall(keys.worker_key(n))
+    out = []
+    for name, raw in zip(names, pipe.execute(), strict=True):
+        if not raw:
+            continue
+        h = {_text(k): _text(v) for k, v in raw.items()}
+        try:
+            eps = json.loads(h.get("endpoints") or "{}")
+        except ValueError:
+            eps = {}
+        endpoints = {}
+        for url, e in (eps.items() if isinstance(eps, dict) else []):
+            e = e if isinstance(e, dict) else {}
+            endpoints[redact_url(str(url))] = {
+                "healthy": bool(e.get("healthy", False)),
+                "in_flight": _num(e.get("in_flight")),
+                "failures": _num(e.get("failures")),
+                "ejected_since": _num(e.get("ejected_since"), float, None),
+            }
+        started = _num(h.get("started_at"), float, None)
+        out.append({
+            "name": name,
+            "host": h.get("host"),
+            "pid": _num(h.get("pid"), int, None),
+            "started_at": started,
+            "uptime_s": None if started is None else round(max(0.0, now - started), 1),
+            "concurrency": _num(h.get("concurrency")),
+            "in_flight": _num(h.get("in_flight")),
+            "processed": _num(h.get("processed")),
+            "endpoints": endpoints,
+        })
+    return out
+
+
+def endpoint_summary(workers: list[dict[str, Any]], configured: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """Endpoints as the live workers see them: healthy if any worker sees it healthy, in flight summed.
+    A configured URL no live worker reports is listed with ``healthy: null`` (unknown)."""
+    agg: dict[str, dict[str, Any]] = {}
+    for url in configured:
+        agg.setdefault(redact_url(url), {"url": redact_url(url), "healthy": None, "in_flight": 0, "failures": 0,
+                                         "workers": 0, "healthy_workers": 0, "ejected_since": None})
+    for w in workers:
+        for url, e in w["endpoints"].items():
+            a = agg.setdefault(url, {"url": url, "healthy": None, "in_flight": 0, "failures": 0, "workers": 0,
+                                     "healthy_workers": 0, "ejected_since": None})
+            a["workers"] += 1
+            a["in_flight"] += e["in_flight"]
+            a["failures"] += e["failures"]
+            if e["healthy"]:
+                a["healthy_workers"] += 1
+            elif e["ejected_since"] is not None:
+                prev = a["ejected_since"]
+                a["ejected_since"] = e["ejected_since"] if prev is None else min(prev, e["ejected_since"])
+            a["healthy"] = a["healthy_workers"] > 0
+    return sorted(agg.values(), key=lambda a: a["url"])
+
+
+def control_entries(conn: redis.Redis, n: int = CONTROL_ENTRIES) -> list[dict[str, Any]]:
+    """The last ``n`` operator actions, newest first."""
+    out = []
+    for eid, fields in conn.xrevrange(keys.CONTROL_LOG, count=n):
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        out.append({"id": _text(eid), "ts": _num(f.get("ts"), float, None), "who": f.get("who"),
+                    "action": f.get("action"), "dataset": f.get("dataset"), "old": f.get("old"),
+                    "new": f.get("new")})
+    return out
+
+
+def registered_datasets(conn: redis.Redis) -> list[str]:
+    return sorted(_text(n) for n in conn.smembers(keys.DATASETS))
+
+
+def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
+             history_s: int = HISTORY_S, control_n: int = CONTROL_ENTRIES) -> dict[str, Any]:
+    """Everything an operator watches, as one JSON-able dict (schema: docs/operations.md)."""
+    now = server_now(conn)
+    datasets = dataset_snapshots(conn, registered_datasets(conn), now, history_s)
+    workers = worker_snapshots(conn, now)
+    location, tls = redis_location(redis_url)
+    return {
+        "schema": SCHEMA_VERSION,
+        "generated_at": round(now, 3),
+        "redis": location,
+        "redis_tls": tls,
+        "history_s": history_s,
+        "totals": {
+            "budget": sum(d["budget"] for d in datasets),
+            "used": sum(d["used"] for d in datasets),
+            "reserved": sum(d["reserved"] for d in datasets),
+            "in_flight": sum(d["in_flight"] for d in datasets),
+            "queued": sum(d["queued"] for d in datasets),
+            "tok_s": round(sum(d["tok_s"] for d in datasets), 2),
+            "workers": len(workers),
+            "worker_slots": sum(w["concurrency"] for w in workers),
+        },
+        "datasets": datasets,
+        "workers": workers,
+        "endpoints": endpoint_summary(workers, server_urls),
+        "control": control_entries(conn, control_n),
+    }

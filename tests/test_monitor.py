@@ -1,0 +1,169 @@
+"""The web monitor: JSON API, Prometheus /metrics, basic auth, and the page in a real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from html.parser import HTMLParser
+
+import pytest
+from _live import CLI, ROOT, http_get, rows, run, three_datasets, write_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from budgetq.localhost import free_port, wait_http
+from producer.monitor import MonitorThread, check_bind
+from shared import budget, keys
+from shared.budget import register_dataset
+from shared.config import Config, DatasetConfig, MonitorConfig
+from shared.errors import ConfigError
+from shared.scripts import run as run_script
+from shared.status import COUNT_FIELDS
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a Prometheus exposition, parsed by prometheus-client's own parser."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _seed(conn) -> None:
+    register_dataset(conn, DatasetConfig(name="B2", path="x", budget="10k", sampling={"max_tokens": 100},
+                                         prior_mean_tokens=50))
+    for i, tokens in enumerate((70, 30)):
+        run_script(conn, budget.reserve("B2", f"B2-{i}", 100))
+        run_script(conn, budget.commit("B2", f"B2-{i}", 0, tokens, "stop", "{}"))
+    conn.hset(keys.stats_key("B2"), "skipped", 3)
+    conn.sadd(keys.WORKERS, "w1")
+    conn.hset(keys.worker_key("w1"), mapping={
+        "host": "h1", "pid": 7, "started_at": "1700000000.5", "concurrency": 8, "in_flight": 2, "processed": 5,
+        "endpoints": json.dumps({"http://sg:30000": {"healthy": True, "in_flight": 2, "failures": 0,
+                                                     "ejected_since": None}})})
+
+
+def test_api_and_metrics_serve_the_snapshot(redis_url, conn):
+    _seed(conn)
+    mon = MonitorThread(Config(redis_url=redis_url), port=0)
+    port = mon.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        status, ctype, body = http_get(base + "/api/status")
+        assert status == 200 and ctype.startswith("application/json")
+        snap = json.loads(body)
+        (b2,) = snap["datasets"]
+        assert (b2["dataset"], b2["used"], b2["budget"], b2["counts"]["committed"]) == ("B2", 100, 10_000, 2)
+        assert len(b2["history"]) == 120  # the page's chart: 10 minutes of 5 s buckets
+
+        status, ctype, text = http_get(base + "/metrics")
+        assert status == 200 and ctype.startswith("text/plain")
+        m = _samples(text)
+        ds = (("dataset", "B2"),)
+        assert m[("budgetq_budget_tokens", ds)] == 10_000 and m[("budgetq_used_tokens", ds)] == 100
+        assert m[("budgetq_reserved_tokens", ds)] == 0 and m[("budgetq_in_flight", ds)] == 0
+        assert m[("budgetq_tokens_per_second", ds)] == b2["tok_s"]
+        for state in COUNT_FIELDS:
+            want = {"committed": 2, "skipped": 3}.get(state, 0)
+            assert m[("budgetq_jobs_total", (("dataset", "B2"), ("state", state)))] == want
+        assert m[("budgetq_workers", ())] == 1
+        assert m[("budgetq_worker_in_flight", (("worker", "w1"),))] == 2
+        assert m[("budgetq_endpoint_healthy", (("endpoint", "http://sg:30000"),))] == 1
+        assert m[("budgetq_endpoint_in_flight", (("endpoint", "http://sg:30000"),))] == 2
+
+        status, ctype, page = http_get(base + "/")
+        assert status == 200 and ctype.startswith("text/html")
+        assert "api/status" in page and not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # no external asset
+    finally:
+        mon.stop()
+
+
+def test_basic_auth_guards_everything_but_healthz(redis_url, conn):
+    _seed(conn)
+    cfg = Config(redis_url=redis_url, monitor={"username": "ops", "password": "s3cret-monitor-pw"})
+    mon = MonitorThread(cfg, port=0)
+    port = mon.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for path in ("/", "/api/status", "/metrics"):
+            assert http_get(base + path)[0] == 401
+            assert http_get(base + path, ("ops", "wrong"))[0] == 401
+            assert http_get(base + path, ("ops", "s3cret-monitor-pw"))[0] == 200
+        assert http_get(base + "/healthz")[:1] == (200,)
+    finally:
+        mon.stop()
+
+
+def test_refuses_a_public_bind_without_auth(redis_url):
+    with pytest.raises(ConfigError, match="refusing to serve on '0.0.0.0'.*basic auth"):
+        check_bind(MonitorConfig(), "0.0.0.0")
+    check_bind(MonitorConfig(username="u", password="p"), "0.0.0.0")   # auth on: fine
+    check_bind(MonitorConfig(), "::1")
+    check_bind(MonitorConfig(), "0.0.0.0", allow_unauthenticated=True)
+    with pytest.raises(ConfigError, match="both monitor.username and monitor.password"):
+        check_bind(MonitorConfig(username="u"), "127.0.0.1")
+    out = subprocess.run([*CLI, "monitor", "--redis-url", redis_url, "--host", "0.0.0.0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "not a loopback address" in out.stderr and "BUDGETQ_MONITOR_PASSWORD" in out.stderr
+
+
+class _Rows(HTMLParser):
+    """Collects the dataset rows and chart lines of the rendered DOM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.datasets: dict[str, dict[str, str]] = {}
+        self.lines: set[str] = set()
+        self.rendered = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and "data-dataset" in a:
+            self.datasets[a["data-dataset"]] = a
+        if tag == "polyline" and a.get("data-dataset"):
+            self.lines.add(a["data-dataset"])
+        if tag == "body" and a.get("data-rendered"):
+            self.rendered = True
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.skip("chromium not installed (.ci/run installs Debian's chromium package)")
+
+
+def test_page_renders_a_live_run_in_headless_chromium(tmp_path, redis_url, conn, sim_factory):
+    browser = _chromium()
+    sim = sim_factory("--speedup", "200", "--seed", "2", "--length-mean", "150")
+    cfg = write_config(tmp_path, redis_url, sim, three_datasets(tmp_path))
+    live = run(cfg, tmp_path)
+    assert live.producer.returncode == 0, live.producer.stderr
+    port = free_port()
+    mon = subprocess.Popen([*CLI, "--log-level", "WARNING", "monitor", "-c", str(cfg), "--port", str(port)],
+                           cwd=ROOT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        with tempfile.TemporaryDirectory() as profile:
+            out = subprocess.run(
+                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom",
+                 f"http://127.0.0.1:{port}/"], capture_output=True, text=True, timeout=120)
+    finally:
+        mon.terminate()
+        mon.wait(10)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dom = _Rows()
+    dom.feed(out.stdout)
+    assert dom.rendered, "the page's script did not render a snapshot"
+    assert set(dom.datasets) == {"A1", "B2", "C1"}
+    for name, row in dom.datasets.items():
+        used = int(conn.get(keys.used_key(name)))
+        assert used > 0 and int(row["data-used"]) == used
+        assert int(row["data-committed"]) == len(rows(live.out / f"{name}.jsonl"))
+    assert int(dom.datasets["A1"]["data-budget"]) == 6000
+    assert dom.lines == {"A1", "B2", "C1"}  # one chart line per dataset

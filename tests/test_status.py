@@ -1,0 +1,227 @@
+"""``budgetq status``: the snapshot from Redis state written per the contract, and against a live run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from _live import CLI, ROOT, rows, run, three_datasets, write_config
+from rq import Queue
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from budgetq.localhost import free_port
+from shared import budget as bq_budget
+from shared import keys
+from shared.budget import register_dataset
+from shared.config import DatasetConfig
+from shared.scripts import run as run_script
+from shared.status import COUNT_FIELDS, snapshot
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _worker_hash(conn, name: str, endpoints: dict, in_flight: int, started_at: float) -> None:
+    """A worker's heartbeat hash exactly as the contract in shared/keys.py describes it."""
+    conn.sadd(keys.WORKERS, name)
+    conn.hset(keys.worker_key(name), mapping={
+        "host": "gpu-node-1", "pid": 4242, "started_at": f"{started_at:.3f}", "concurrency": 64,
+        "in_flight": in_flight, "processed": 17, "endpoints": json.dumps(endpoints)})
+    conn.expire(keys.worker_key(name), 30)
+
+
+def _seed(conn) -> float:
+    """Two datasets with counters, reservations, queued and failed jobs, rate buckets, workers, control log."""
+    for name, budget, mode in (("A1", "10k", "soft"), ("B2", "2k", "strict")):
+        register_dataset(conn, DatasetConfig(name=name, path="x", budget=budget, mode=mode,
+                                             sampling={"max_tokens": 500}, prior_mean_tokens=100))
+    now = conn.time()[0]
+    conn.hset(keys.conf_key("A1"), "registered_at", now - 1000)
+    for i, tokens in enumerate((300, 500)):
+        run_script(conn, bq_budget.reserve("A1", f"A1-p{i}", 500))
+        run_script(conn, bq_budget.commit("A1", f"A1-p{i}", 0, tokens, "stop", "{}"))
+    run_script(conn, bq_budget.reserve("A1", "A1-p9", 500))  # one request in flight
+    run_script(conn, bq_budget.reserve("B2", "B2-p0", 500))
+    # strict: 1900 + 500 > 2000, no room for another
+    run_script(conn, bq_budget.commit("B2", "B2-p0", 0, 1900, "stop", "{}"))
+    conn.hset(keys.stats_key("A1"), mapping={"skipped": 4, "invalid": 2, "generated_tokens": 900, "wasted_tokens": 100})
+    q = Queue(keys.queue_name("A1"), connection=conn, serializer=JSONSerializer)
+    for i in range(3):
+        q.enqueue("worker.job.run_prompt", {"id": f"q{i}"}, job_id=f"A1-q{i}")
+    conn.zadd(FailedJobRegistry(keys.queue_name("A1"), connection=conn).key, {"A1-bad": now + 86400})
+    bucket = now // keys.RATE_BUCKET_S * keys.RATE_BUCKET_S
+    # commit.lua wrote the current bucket; replace the rate history with a known one
+    conn.delete(keys.rate_key("A1"), keys.rate_key("B2"))
+    conn.hset(keys.rate_key("A1"), mapping={str(bucket - 30): 600, str(bucket - 120): 200})
+    ep_a, ep_b = "http://gpu-a:30000", "http://gpu-b:30000"
+    _worker_hash(conn, "w1", {ep_a: {"healthy": True, "in_flight": 5, "failures": 0, "ejected_since": None},
+                              ep_b: {"healthy": False, "in_flight": 0, "failures": 3, "ejected_since": now - 20}},
+                 in_flight=5, started_at=now - 100)
+    _worker_hash(conn, "w2", {ep_a: {"healthy": False, "in_flight": 2, "failures": 1, "ejected_since": None},
+                              ep_b: {"healthy": False, "in_flight": 0, "failures": 4, "ejected_since": now - 50}},
+                 in_flight=2, started_at=now - 10)
+    conn.sadd(keys.WORKERS, "w-dead")  # its hash expired: a dead worker
+    for i, action in enumerate(("budget_set", "pause", "resume")):
+        conn.xadd(keys.CONTROL_LOG, {"ts": now - 10 + i, "who": "ops@host", "action": action, "dataset": "A1",
+                                     "old": str(i), "new": str(i + 1)})
+    return float(now)
+
+
+def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
+    now = _seed(conn)
+    snap = snapshot(conn, redis_url, ["http://gpu-a:30000", "http://gpu-c:30000"], history_s=600)
+    assert snap["schema"] == 1 and snap["history_s"] == 600
+    assert abs(snap["generated_at"] - now) < 60
+    a1, b2 = snap["datasets"]
+    assert (a1["dataset"], a1["budget"], a1["used"], a1["in_flight"]) == ("A1", 10_000, 800, 1)
+    assert a1["reserved"] == int(conn.get(keys.reserved_key("A1"))) > 0
+    assert a1["state"] == "running" and a1["mode"] == "soft" and not a1["paused"] and not a1["exhausted"]
+    assert a1["used_pct"] == 8.0 and a1["remaining"] == 9200 and a1["mean_tokens"] == 400.0
+    assert a1["queued"] == 3 and a1["failed_registry"] == 1
+    assert a1["counts"] == {**{f: 0 for f in COUNT_FIELDS}, "committed": 2, "skipped": 4, "invalid": 2}
+    assert a1["tokens"] == {"counted": 800, "generated": 900, "wasted": 100}
+    # 600 tokens in the last minute (the bucket 120 s ago is outside the window)
+    assert 600 / 66 <= a1["tok_s"] <= 600 / 60
+    assert a1["eta_s"] == pytest.approx(9200 / a1["tok_s"], rel=0.01)
+    assert len(a1["history"]) == 120 and sum(v for _t, v in a1["history"]) == 800
+    assert all(t % keys.RATE_BUCKET_S == 0 for t, _v in a1["history"])
+    assert b2["mode"] == "strict" and b2["exhausted"] and b2["state"] == "done"
+    assert b2["tok_s"] == 0 and b2["eta_s"] is None and b2["in_flight"] == 0
+
+    assert [w["name"] for w in snap["workers"]] == ["w1", "w2"]  # w-dead has no hash: gone
+    w1 = snap["workers"][0]
+    assert (w1["host"], w1["pid"], w1["concurrency"]) == ("gpu-node-1", 4242, 64)
+    assert (w1["in_flight"], w1["processed"]) == (5, 17)
+    assert 99 <= w1["uptime_s"] <= 160
+    eps = {e["url"]: e for e in snap["endpoints"]}
+    assert eps["http://gpu-a:30000"] | {} == {"url": "http://gpu-a:30000", "healthy": True, "in_flight": 7,
+                                              "failures": 1, "workers": 2, "healthy_workers": 1,
+                                              "ejected_since": None}
+    b = eps["http://gpu-b:30000"]
+    assert b["healthy"] is False and b["failures"] == 7 and b["ejected_since"] == now - 50
+    assert eps["http://gpu-c:30000"]["healthy"] is None and eps["http://gpu-c:30000"]["workers"] == 0
+    assert [c["action"] for c in snap["control"]] == ["resume", "pause", "budget_set"]  # newest first
+    assert snap["control"][0] | {"id": None} == {"id": None, "ts": now - 8, "who": "ops@host", "action": "resume",
+                                                 "dataset": "A1", "old": "2", "new": "3"}
+    assert snap["totals"]["workers"] == 2 and snap["totals"]["used"] == 800 + 1900
+    json.dumps(snap)  # JSON-able as is
+
+
+def test_status_cli_json_text_and_watch(conn, redis_url):
+    _seed(conn)
+    out = _cli("status", "--redis-url", redis_url, "--json")
+    assert out.returncode == 0, out.stderr
+    snap = json.loads(out.stdout)
+    assert [d["dataset"] for d in snap["datasets"]] == ["A1", "B2"] and len(snap["datasets"][0]["history"]) == 12
+    assert set(snap) == {"schema", "generated_at", "redis", "redis_tls", "history_s", "totals", "datasets",
+                         "workers", "endpoints", "control"}
+
+    text = _cli("status", "--redis-url", redis_url)
+    assert text.returncode == 0, text.stderr
+    for needle in ("A1", "B2", "8.00%", "w1", "gpu-node-1", "http://gpu-a:30000", "healthy", "down", "budget_set"):
+        assert needle in text.stdout, needle
+
+    watch = subprocess.Popen([*CLI, "status", "--redis-url", redis_url, "--watch", "--json", "--interval", "0.2"],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        first, second = json.loads(watch.stdout.readline()), json.loads(watch.stdout.readline())
+    finally:
+        watch.terminate()
+        watch.wait(10)
+    assert second["generated_at"] > first["generated_at"] and second["datasets"][0]["used"] == 800
+
+    bad = _cli("status", "--redis-url", f"redis://:hunter2pw@127.0.0.1:{free_port()}/0")
+    assert bad.returncode == 2 and "cannot read status from redis://:***@127.0.0.1" in bad.stderr
+    assert "hunter2pw" not in bad.stderr
+
+
+def test_status_json_against_a_live_run(tmp_path, redis_url, conn, sim_factory):
+    sim = sim_factory("--speedup", "100", "--seed", "5", "--length-mean", "150")
+    cfg = write_config(tmp_path, redis_url, sim, three_datasets(tmp_path))
+
+    def during(_proc):
+        out = _cli("status", "-c", str(cfg), "--json")
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    live = run(cfg, tmp_path, during=during)
+    assert live.producer.returncode == 0, live.producer.stderr
+    final = json.loads(_cli("status", "-c", str(cfg), "--json").stdout)
+    seen = [s for s in live.during if s is not None and s["datasets"]]
+    assert seen, "no status snapshot was taken while the producer ran"
+    by_name = {d["dataset"]: d for d in final["datasets"]}
+    assert set(by_name) == {"A1", "B2", "C1"}
+    for name, d in by_name.items():
+        out_rows = rows(live.out / f"{name}.jsonl")
+        stats = {k.decode(): int(float(v)) for k, v in conn.hgetall(keys.stats_key(name)).items()}
+        assert d["used"] == sum(r["completion_tokens"] for r in out_rows) == int(conn.get(keys.used_key(name)))
+        assert d["counts"]["committed"] == len(out_rows) == stats["committed"]
+        assert d["counts"]["skipped"] == stats.get("skipped", 0)
+        assert (d["in_flight"], d["reserved"], d["queued"], d["failed_registry"]) == (0, 0, 0, 0)
+        assert d["used_pct"] == round(100 * d["used"] / d["budget"], 3)
+        # used never goes down between snapshots of one run
+        used_seen = [s_d["used"] for s in seen for s_d in s["datasets"] if s_d["dataset"] == name]
+        assert used_seen == sorted(used_seen) and (not used_seen or used_seen[-1] <= d["used"])
+    assert by_name["A1"]["budget"] == 6000 and by_name["A1"]["used"] >= 6000 and by_name["A1"]["state"] == "done"
+    assert by_name["B2"]["mode"] == "strict" and by_name["B2"]["used"] <= 5000 and by_name["B2"]["exhausted"]
+    assert by_name["C1"]["counts"]["committed"] == 25 and by_name["C1"]["state"] == "idle"
+    assert by_name["A1"]["counts"]["skipped"] > 0
+    assert final["redis"] == redis_url.removeprefix("redis://") and final["redis_tls"] is False
+    assert [e["url"] for e in final["endpoints"]] == [sim]
+
+
+def _tls_redis(tmp_path: Path):
+    openssl, server = shutil.which("openssl"), shutil.which("redis-server")
+    if openssl is None:
+        pytest.skip("openssl not installed (needed to make a test certificate)")
+    ca_subj, srv_subj = "/CN=budgetq-test-ca", "/CN=localhost"
+    d = tmp_path
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]  # EC: fast to generate
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", d / "ca.key", "-out", d / "ca.crt", "-days", "2", "-subj", ca_subj],
+        [openssl, "req", *ec, "-keyout", d / "srv.key", "-out", d / "srv.csr", "-subj", srv_subj],
+        [openssl, "x509", "-req", "-in", d / "srv.csr", "-CA", d / "ca.crt", "-CAkey", d / "ca.key",
+         "-CAcreateserial", "-out", d / "srv.crt", "-days", "2", "-extfile", d / "ext"],
+    ]
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for step in steps:
+        subprocess.run([str(a) for a in step], check=True, capture_output=True)
+    port = free_port()
+    proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", str(d / "srv.crt"), "--tls-key-file", str(d / "srv.key"),
+                             "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no",
+                             "--requirepass", "tls-test-pw-91", "--save", "", "--dir", str(d)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"rediss://:tls-test-pw-91@127.0.0.1:{port}/0?ssl_ca_certs={d / 'ca.crt'}"
+    client = redis.Redis.from_url(url)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, url, client
+        except redis.ConnectionError:
+            if proc.poll() is not None:
+                pytest.skip(f"redis-server without TLS support: {proc.stdout.read().decode()[-300:]}")
+            time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("TLS redis-server did not start")
+
+
+def test_status_over_tls_with_a_password(tmp_path):
+    proc, url, client = _tls_redis(tmp_path)
+    try:
+        register_dataset(client, DatasetConfig(name="T1", path="x", budget="1k", sampling={"max_tokens": 10}))
+        out = _cli("status", "--redis-url", url, "--json")
+        assert out.returncode == 0, out.stderr
+        snap = json.loads(out.stdout)
+        assert snap["redis_tls"] is True and snap["redis"].startswith("127.0.0.1:") and snap["redis"].endswith("/0")
+        assert [d["dataset"] for d in snap["datasets"]] == ["T1"]
+        assert "tls-test-pw-91" not in out.stdout + out.stderr
+    finally:
+        proc.terminate()
+        proc.wait(10)
