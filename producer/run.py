@@ -14,7 +14,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.collector import Collector
-from producer.reader import Invalid, Prompt, read_jsonl
+from producer.reader import Filtered, Invalid, Prompt, read_prompts
 from shared import keys
 from shared.budget import dataset_state, register_dataset
 from shared.config import Config, DatasetConfig
@@ -63,7 +63,8 @@ class Producer:
             # Jobs left queued by an earlier producer are rebuilt from the source: dropping
             # them avoids pushing one id twice (RQ would then run it twice).
             q.empty()
-            self.feeds.append(Feed(ds, read_jsonl(ds), q, _terminal(self.conn, ds.name)))
+            rows = (r for r in read_prompts(ds, cfg.server) if not isinstance(r, Filtered))  # Filtered: lead's to count
+            self.feeds.append(Feed(ds, rows, q, _terminal(self.conn, ds.name)))
         self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
         self._invalid_files = {d.name: cfg.output_dir / f"{d.name}.invalid.jsonl" for d in cfg.datasets}
 
