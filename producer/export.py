@@ -27,7 +27,7 @@ log = logging.getLogger("budgetq.export")
 BATCH_ROWS = 2048
 MAX_REPORTED = 20   # malformed lines listed one by one; beyond that only counted
 
-TURN = pa.struct([pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string(), nullable=False)])
+TURN = pa.struct([("role", pa.string()), ("content", pa.string())])  # as datasets writes list-of-dict columns
 SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
     pa.field("dataset", pa.string(), nullable=False),
@@ -61,11 +61,11 @@ def _error(exc: ValidationError) -> str:
 def _parse(raw: bytes) -> dict:
     """One JSONL line -> a row in SCHEMA's layout; ValueError says why it is not one."""
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8").rstrip("\r\n"))
     except UnicodeDecodeError as exc:
         raise ValueError(f"not valid UTF-8 (byte {exc.start + 1})") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"bad JSON: {exc.msg} at column {exc.colno}") from None
+        raise ValueError(f"bad JSON at column {exc.colno}: {exc.msg}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"row is {kind(obj)}, not a JSON object")
     try:

@@ -136,7 +136,7 @@ def _parse_object(raw: bytes, line_no: int) -> SourceItem | None:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
-        return SourceError(line_no, f"bad JSON: {exc.msg} at column {exc.colno}")
+        return SourceError(line_no, f"bad JSON at column {exc.colno}: {exc.msg}")
     if not isinstance(row, dict):
         return SourceError(line_no, f"row is {kind(row)}, not a JSON object")
     return SourceRow(line_no, row)

@@ -107,7 +107,7 @@ def test_bad_jsonl_rows_are_invalid_with_line_and_reason(tmp_path):
     items = read(ds_cfg(path))
     assert [p.line for p in prompts(items)] == [1, 9]
     assert reasons(items) == {
-        3: "bad JSON: Expecting property name enclosed in double quotes at column 2",
+        3: "bad JSON at column 2: Expecting property name enclosed in double quotes",
         4: "missing field 'prompt'",
         5: "field 'prompt' is empty",
         6: "row is an array, not a JSON object",
