@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+import yaml
 from tiny_tokenizer import make_tiny_tokenizer
 
+from budgetq.cli import main
 from producer import sources
 from producer.meta import check_and_write_meta
 from producer.reader import Filtered, Invalid, Prompt, read_prompts
@@ -15,6 +22,7 @@ from shared.config import Config, DatasetConfig, ServerConfig
 from shared.errors import ConfigError
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -399,3 +407,93 @@ def test_meta_is_written_once_and_a_changed_temperature_warns(tmp_path):
     (out / "B2.meta.json").write_text("{torn")
     with pytest.raises(ConfigError, match="B2.meta.json is not a budgetq meta record"):
         check_and_write_meta(cfg, hot, out)
+
+
+# ---- end to end: producer + worker + simulator, one dataset per input format ----------------------
+
+def _wait_for_queues(conn, names: list[str], prod) -> None:
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from shared import keys
+
+    queues = [Queue(keys.queue_name(n), connection=conn, serializer=JSONSerializer) for n in names]
+    deadline = time.monotonic() + 60
+    while not all(q.count for q in queues):
+        if prod.poll() is not None:
+            raise AssertionError(f"producer exited early: {prod.stderr.read()}")
+        assert time.monotonic() < deadline, "producer enqueued nothing within 60 s"
+        time.sleep(0.05)
+
+
+def test_every_input_format_end_to_end_in_chat_mode(tmp_path, redis_url, conn, sim_factory, tok_path):
+    sim = sim_factory("--speedup", "500", "--length-mean", "40")
+    long_prompt = " ".join(["word"] * 20)
+    jsonl = write("jsonl", tmp_path / "j", [{"id": f"j{i}", "prompt": long_prompt if i == 3 else f"hello {i}"}
+                                            for i in range(8)])
+    array = tmp_path / "a.json"
+    msgs = [json.dumps({"messages": [{"role": "user", "content": f"what is {i}?"}]}) for i in range(6)]
+    msgs.insert(2, '{"messages": oops}')
+    array.write_text("[\n" + ",\n".join(msgs) + "\n]\n")
+    parquet = write("parquet", tmp_path / "p", [{"conversations": [
+        {"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"old a{i}"},
+        {"from": "human", "value": f"q{i} again"}, {"from": "gpt", "value": f"old b{i}"}]} for i in range(6)])
+    hf = write("hf", tmp_path / "h", [{"question": "x" * (3 if i == 0 else 10 + i)} for i in range(8)])
+    out = tmp_path / "out"
+    datasets_cfg = [
+        {"name": "J", "path": str(jsonl), "id_field": "id", "max_prompt_tokens": 12},
+        {"name": "A", "path": str(array), "messages_field": "messages"},
+        {"name": "P", "path": str(parquet), "conversations_field": "conversations", "system_prompt": "be brief"},
+        {"name": "H", "path": str(hf), "prompt_field": "question", "shuffle": True, "limit": 4,
+         "min_prompt_chars": 5},
+    ]
+    for d in datasets_cfg:
+        d.update(budget="1M", sampling={"max_tokens": 200})
+    cfg = {"redis_url": redis_url, "server": {"urls": [sim], "api": "chat", "tokenizer": tok_path},
+           "output_dir": str(out), "worker": {"concurrency": 16}, "datasets": datasets_cfg}
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    py = [sys.executable, "-m", "budgetq.cli", "--log-level", "WARNING"]
+    prod = subprocess.Popen([*py, "produce", "-c", str(cfg_path)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for_queues(conn, ["J", "A", "P", "H"], prod)
+        worker = subprocess.run([*py, "worker", "-c", str(cfg_path), "--burst"], cwd=ROOT, timeout=120,
+                                capture_output=True, text=True)
+        assert worker.returncode == 0, worker.stderr
+        stdout, stderr = prod.communicate(timeout=120)
+    finally:
+        if prod.poll() is None:
+            prod.kill()
+    assert prod.returncode == 0, stderr
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+
+    all_rows = {n: rows(n) for n in ("J", "A", "P", "H")}
+    for name, got in all_rows.items():
+        for r in got:  # SpecForge reads id and conversations: [..., user, assistant]
+            assert isinstance(r["id"], str) and r["dataset"] == name
+            assert all(set(t) == {"role", "content"} for t in r["conversations"])
+            assert [t["role"] for t in r["conversations"][-2:]] == ["user", "assistant"]
+    assert sorted(r["id"] for r in all_rows["J"]) == sorted(f"j{i}" for i in range(8) if i != 3)
+    (too_long,) = [json.loads(x) for x in (out / "J.invalid.jsonl").read_text().splitlines()]
+    assert too_long["line"] == 4 and too_long["reason"] == "prompt has 25 tokens, more than max_prompt_tokens 12"
+    assert len(all_rows["A"]) == 6
+    (bad,) = [json.loads(x) for x in (out / "A.invalid.jsonl").read_text().splitlines()]
+    assert bad["line"] == 3 and bad["reason"].startswith("bad JSON in element 3 at file line 4")
+    for r in all_rows["P"]:
+        i = r["conversations"][1]["content"][1:]
+        assert [(t["role"], t["content"]) for t in r["conversations"][:-1]] == [
+            ("system", "be brief"), ("user", f"q{i}"), ("assistant", f"old a{i}"), ("user", f"q{i} again")]
+        assert r["conversations"][-1]["content"] != f"old b{i}"
+    assert len(all_rows["P"]) == 6
+    questions = {r["conversations"][0]["content"] for r in all_rows["H"]}
+    assert len(questions) == 4 and "xxx" not in questions  # limit 4, the 3-character row filtered
+    requests = json.loads(urllib.request.urlopen(sim + "/sim/requests").read())
+    assert len(requests) == sum(len(v) for v in all_rows.values())  # invalid rows never reached the server
+    # and the results export to Parquet in SpecForge's layout
+    assert main(["export", "-c", str(cfg_path), "--dataset", "P"]) == 0
+    table = pq.read_table(out / "P.parquet")
+    assert table.num_rows == 6 and table.column("conversations").to_pylist() == [r["conversations"]
+                                                                                  for r in all_rows["P"]]
