@@ -16,6 +16,7 @@ same input gives the same order.
 
 from __future__ import annotations
 
+import array
 import base64
 import datetime as dt
 import decimal
@@ -280,15 +281,14 @@ def _json_array(ds: DatasetConfig) -> Iterator[SourceItem]:
             return
         import numpy as np
 
-        spans: list[tuple[int, int, int]] = []
+        spans = array.array("q")  # start, end, line of each element: 24 bytes, no Python objects
         tail: SourceError | None = None
         for span in _array_spans(ds.path):
             if isinstance(span, SourceError):
                 tail = span
             else:
-                spans.append((span.start, span.end, span.line))
-        table = np.array(spans, dtype=np.int64).reshape(-1, 3)
-        del spans
+                spans.extend((span.start, span.end, span.line))
+        table = np.frombuffer(spans, dtype=np.int64).reshape(-1, 3)
         for idx in _permutation(len(table), ds.shuffle_seed):
             start, end, line = (int(v) for v in table[idx])
             yield _read_span(fh, _Span(start, end, line), int(idx) + 1)
@@ -333,7 +333,8 @@ def _parquet(ds: DatasetConfig) -> Iterator[SourceItem]:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(ds.path)
+        # A buffered stream decodes page by page instead of holding a whole row group's bytes.
+        pf = pq.ParquetFile(ds.path, buffer_size=CHUNK, pre_buffer=False)
     except (pa.ArrowException, OSError) as exc:
         raise ConfigError(f"dataset {ds.name}: cannot read {ds.path} as Parquet: {exc}") from exc
     if not ds.shuffle:
@@ -350,9 +351,38 @@ def _parquet(ds: DatasetConfig) -> Iterator[SourceItem]:
             for batch in pf.iter_batches(batch_size=8 * TAKE_WINDOW):
                 writer.write_batch(batch)
         with pa.memory_map(spill) as source:
-            table = pa.ipc.open_file(source).read_all()
-            yield from _take_shuffled(table.num_rows, ds.shuffle_seed, table.take)
-            del table
+            reader = pa.ipc.open_file(source)
+            yield from _take_shuffled(pf.metadata.num_rows, ds.shuffle_seed, _BatchTaker(reader))
+            del reader
+
+
+class _BatchTaker:
+    """``take(indices)`` over a memory-mapped Arrow file, one record batch at a time.
+
+    Table.take on a many-chunk table concatenates the chunks first (the whole file in RAM);
+    taking from each batch separately touches only the mapped pages it needs.
+    """
+
+    def __init__(self, reader: pa.ipc.RecordBatchFileReader) -> None:
+        import numpy as np
+
+        self.reader = reader
+        sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+
+    def __call__(self, idx: np.ndarray) -> pa.Table:
+        import numpy as np
+        import pyarrow as pa
+
+        which = np.searchsorted(self.starts, idx, side="right") - 1
+        parts, order = [], []
+        for b in np.unique(which):
+            mask = which == b
+            parts.append(self.reader.get_batch(int(b)).take(pa.array(idx[mask] - self.starts[b])))
+            order.append(np.flatnonzero(mask))
+        # back to the permutation's order
+        table = pa.Table.from_batches(parts, schema=self.reader.schema)
+        return table.take(pa.array(np.argsort(np.concatenate(order), kind="stable")))
 
 
 def _pick_split(ds: DatasetConfig, splits: list[str]) -> str:

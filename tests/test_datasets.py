@@ -291,7 +291,7 @@ def test_shuffle_is_a_seeded_permutation(fmt, tmp_path):
     assert order == [p.line for p in prompts(read(ds_cfg(jsonl, shuffle=True, shuffle_seed=7)))]
     first = prompts(read(ds_cfg(path, shuffle=True, shuffle_seed=7, limit=5)))
     assert [p.line for p in first] == order[:5]
-    assert all(p.messages[0].content == f"q{p.line - 1}" for p in first)
+    assert all(p.messages[0].content == f"q{p.line - 1}" for p in prompts(read(ds_cfg(path, shuffle=True))))
 
 
 def test_shuffled_json_array_keeps_bad_elements_invalid(tmp_path):
