@@ -253,6 +253,16 @@ def test_conversations_are_regenerated_from_the_last_user_turn(tmp_path):
     }
 
 
+def test_bundled_sharegpt_example_reads_as_regenerable_prompts():
+    ds = ds_cfg(ROOT / "examples" / "data" / "sharegpt.jsonl", conversations_field="conversations",
+                id_field="id", system_prompt="Answer briefly.")
+    items = read(ds)
+    assert len(prompts(items)) == 12 and not reasons(items)
+    for p in prompts(items):
+        assert p.messages[0].role == "system" and p.messages[-1].role == "user"
+    assert [m.content for m in prompts(items)[3].messages][:1] == ["You are a patient tutor."]
+
+
 def test_system_prompt_is_prepended_unless_the_conversation_has_one(tmp_path):
     rows = [{"m": [{"role": "user", "content": "q"}]},
             {"m": [{"role": "system", "content": "own"}, {"role": "user", "content": "q"}]}]
@@ -361,6 +371,22 @@ def test_too_long_prompts_are_invalid_with_the_numbers(tmp_path, tok_path):
         read_prompts(ds_cfg(path, sampling={"max_tokens": 100}), ctx)
     with pytest.raises(ConfigError, match="max_prompt_tokens needs server.tokenizer"):
         read_prompts(ds_cfg(path, max_prompt_tokens=20), ServerConfig())
+
+
+def test_a_row_the_chat_template_rejects_is_invalid_with_its_message(tmp_path, tok_path):
+    import shutil
+
+    strict = tmp_path / "strict_tok"
+    shutil.copytree(tok_path, strict)
+    template = strict / "chat_template.jinja"
+    template.write_text("{% if messages | length > 1 %}{{ raise_exception('one turn only') }}{% endif %}"
+                        + template.read_text())
+    rows = [{"c": [{"from": "human", "value": "hi"}]},
+            {"c": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}]
+    items = read(ds_cfg(write("jsonl", tmp_path / "d", rows), conversations_field="c"),
+                 ServerConfig(api="generate", tokenizer=str(strict)))
+    assert [p.line for p in prompts(items)] == [1]
+    assert reasons(items)[2].startswith("chat template failed:") and "one turn only" in reasons(items)[2]
 
 
 def test_a_tokenizer_that_cannot_load_names_its_path(tmp_path, tok_path):
