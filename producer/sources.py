@@ -404,7 +404,11 @@ def open_hf(ds: DatasetConfig) -> Any:
     if ds.path.startswith(HF_PREFIX):
         name = ds.path[len(HF_PREFIX):]
         try:
-            obj = datasets.load_dataset(name, ds.subset, split=ds.split)
+            # Choose the split first so only that split is downloaded, not every one.
+            split = ds.split or _pick_split(ds, datasets.get_dataset_split_names(name, ds.subset))
+            obj = datasets.load_dataset(name, ds.subset, split=split)
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001 - hub errors come in many types; all are fatal here
             raise ConfigError(f"dataset {ds.name}: cannot load {ds.path} from the Hugging Face hub: {exc}") from exc
     else:

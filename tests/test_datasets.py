@@ -207,6 +207,24 @@ def test_hub_dataset_that_cannot_be_reached_is_a_config_error(monkeypatch):
         next(items)
 
 
+def test_hub_dataset_picks_its_split_before_downloading(monkeypatch):
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda name, subset: ["test", "train"])
+
+    def load_dataset(name, subset, split):  # stands in for the hub: only the chosen split comes back
+        calls.append((name, subset, split))
+        return datasets.Dataset.from_list([{"prompt": f"{split} row"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    items = read(ds_cfg("hf://org/chat", subset="en"))
+    assert calls == [("org/chat", "en", "train")] and prompts(items)[0].messages[0].content == "train row"
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda name, subset: ["a", "b"])
+    with pytest.raises(ConfigError, match="has splits a, b; set split"):
+        read(ds_cfg("hf://org/chat"))
+
+
 # ---- field mapping and regeneration ------------------------------------------------------------
 
 def test_messages_and_sharegpt_map_to_chat_messages_in_both_key_styles(tmp_path):
