@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
+from producer.arrow_sources import plain
 from producer.mapping import prompt_chars, row_to_messages
-from producer.sources import SourceError, SourceItem, detect_format, iter_rows, plain
+from producer.sources import SourceError, SourceItem, detect_format, iter_rows
 from producer.tokenize import PromptEncoder
 from shared.config import DatasetConfig, ServerConfig
 from shared.schema import Message, stable_id
