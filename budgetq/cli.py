@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 
 from budgetq import cli_data, cli_ops, cli_sim
@@ -24,19 +25,46 @@ def print_summary(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="budgetq summary")
-    for col in ("dataset", "budget", "used", "used/budget", "rows", "skipped", "failed", "invalid", "stop"):
+    for col in ("dataset", "budget", "used", "used/budget", "rows", "skipped", "aborted", "failed", "invalid",
+                "filtered", "wasted", "stop"):
         table.add_column(col)
     for r in rows:
         ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
         table.add_row(r["dataset"], format_tokens(r["budget"]), str(r["used"]), ratio, str(r["rows"]),
-                      str(r["skipped"]), str(r["failed"]), str(r["invalid"]), r["stop"])
-    Console().print(table)
+                      str(r["skipped"]), str(r["aborted"]), str(r["failed"]), str(r["invalid"]), str(r["filtered"]),
+                      str(r["wasted_tokens"]), r["stop"])
+    Console(width=max(120, Console().width)).print(table)
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    import signal
+
+    from producer.progress import ProgressReporter
     from producer.run import Producer
 
-    rows = Producer(load(args)).run()
+    cfg = load(args)
+    producer = Producer(cfg)
+    monitor = None
+    if args.monitor:
+        from producer.monitor import MonitorThread
+
+        monitor = MonitorThread(cfg)
+        port = monitor.start()
+        logging.getLogger("budgetq.producer").info("monitor on http://%s:%d", cfg.monitor.host, port)
+
+    def stop(signum: int, _frame: object) -> None:
+        # Everything lives in Redis and the output files: stopping loses nothing, a new
+        # `budgetq produce` continues. Finish writing what has been collected first.
+        producer.stop_requested = True
+
+    signal.signal(signal.SIGTERM, stop)
+    progress = ProgressReporter(cfg, producer.conn)
+    try:
+        rows = producer.run(on_tick=lambda _p: progress.update())
+    finally:
+        progress.close()
+        if monitor is not None:
+            monitor.stop()
     print_summary(rows)
     return 0
 
@@ -123,6 +151,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _register_run(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("produce", help="enqueue prompts and collect results"))
     sp.add_argument("--output-dir")
+    sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
     sp.set_defaults(func=cmd_produce)
     sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))
     sp.add_argument("--concurrency", type=int)

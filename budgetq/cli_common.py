@@ -22,4 +22,8 @@ def load(args: argparse.Namespace) -> Config:
         overrides[("server", "urls")] = args.server_url
     if getattr(args, "output_dir", None):
         overrides[("output_dir",)] = args.output_dir
-    return load_config(args.config, overrides)
+    from shared.logs import register_config_secrets
+
+    cfg = load_config(args.config, overrides)
+    register_config_secrets(cfg)  # never log the API key or passwords, wherever they came from
+    return cfg

@@ -1,12 +1,21 @@
-"""Stream a dataset file row by row (never the whole file in memory) into prompts or errors."""
+"""The producer's one entry point to datasets: ``read_prompts(ds, server)``.
+
+Streams a dataset (JSONL, JSON array, Parquet, HF; see producer/sources.py) row by row into
+``Prompt`` (ready to enqueue), ``Invalid`` (bad row, with the reason) or ``Filtered`` (skipped
+by the length filter, not an error). ``line`` is the 1-based line for JSONL and the 1-based
+row index for the other formats (their reasons start with "row N").
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
-from shared.config import DatasetConfig
+from producer.arrow_sources import plain
+from producer.mapping import prompt_chars, row_to_messages
+from producer.sources import SourceError, SourceItem, detect_format, iter_rows
+from producer.tokenize import PromptEncoder
+from shared.config import DatasetConfig, ServerConfig
 from shared.schema import Message, stable_id
 
 
@@ -15,7 +24,9 @@ class Prompt:
     line: int
     id: str
     messages: list[Message]
+    # api=generate: the chat template applied locally; the server gets these ids.
     input_ids: list[int] | None = None
+    # Known whenever a tokenizer is configured (generate, or chat with server.tokenizer).
     prompt_tokens: int | None = None
 
 
@@ -25,65 +36,75 @@ class Invalid:
     reason: str
 
 
-def _messages(ds: DatasetConfig, row: dict) -> list[Message]:
-    msgs: list[Message] = []
-    if ds.system_prompt:
-        msgs.append(Message(role="system", content=ds.system_prompt))
-    if ds.messages_field:
-        raw = row.get(ds.messages_field)
-        if not isinstance(raw, list) or not raw:
-            raise ValueError(f"field {ds.messages_field!r} is missing or not a non-empty list")
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not m.get("role"):
-                raise ValueError(f"{ds.messages_field}[{i}] needs string 'role' and 'content'")
-            msgs.append(Message(role=str(m["role"]), content=m["content"]))
-        return msgs
-    field = ds.prompt_field or "prompt"
-    if field not in row:
-        raise ValueError(f"missing field {field!r}")
-    prompt = row[field]
-    if not isinstance(prompt, str):
-        raise ValueError(f"field {field!r} is {type(prompt).__name__}, not a string")
-    if not prompt.strip():
-        raise ValueError(f"field {field!r} is empty")
-    msgs.append(Message(role="user", content=prompt))
-    return msgs
-
-
-def read_jsonl(ds: DatasetConfig) -> Iterator[Prompt | Invalid]:
-    with open(ds.path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield Invalid(line_no, f"bad JSON: {exc.msg} at column {exc.colno}")
-                continue
-            if not isinstance(row, dict):
-                yield Invalid(line_no, f"row is a {type(row).__name__}, not a JSON object")
-                continue
-            try:
-                msgs = _messages(ds, row)
-            except ValueError as exc:
-                yield Invalid(line_no, str(exc))
-                continue
-            if ds.id_field:
-                if row.get(ds.id_field) in (None, ""):
-                    yield Invalid(line_no, f"missing id field {ds.id_field!r}")
-                    continue
-                pid = str(row[ds.id_field])
-            else:
-                pid = stable_id(row)
-            yield Prompt(line_no, pid, msgs)
-
-
 @dataclass(frozen=True)
 class Filtered:
     line: int
     reason: str
 
 
-def read_prompts(ds: DatasetConfig, server: object = None) -> Iterator[Prompt | Invalid | Filtered]:
-    """The producer's one entry point for reading a dataset."""
-    return read_jsonl(ds)
+Item = Prompt | Invalid | Filtered
+
+
+def read_prompts(ds: DatasetConfig, server: ServerConfig) -> Iterator[Item]:
+    """Prompts of ``ds`` in file (or shuffled) order, at most ``ds.limit`` valid ones.
+
+    Checks the source and loads the tokenizer now, so a wrong path or tokenizer fails here
+    (ConfigError / FileNotFoundError naming it) rather than on the first ``next()``.
+    """
+    fmt = detect_format(ds)
+    encoder = PromptEncoder.for_dataset(ds, server)
+    return _prompts(ds, fmt, encoder)
+
+
+def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None) -> Generator[Item, None, None]:
+    rows = iter_rows(ds, fmt)
+    valid = 0
+    try:
+        for item in rows:
+            out = _one(ds, item, encoder, "" if fmt == "jsonl" else f"row {item.line}: ")
+            yield out
+            if isinstance(out, Prompt):
+                valid += 1
+                if ds.limit is not None and valid >= ds.limit:
+                    return
+    finally:
+        rows.close()  # releases files and the shuffle spill when the caller stops early
+
+
+def _row_id(ds: DatasetConfig, row: dict) -> str | None:
+    if ds.id_field:
+        value = row.get(ds.id_field)
+        return None if value in (None, "") else str(value)
+    try:
+        return stable_id(row)
+    except (TypeError, ValueError):  # Arrow values JSON cannot hold (bytes, dates, decimals)
+        return stable_id(plain(row))
+
+
+def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, where: str) -> Item:
+    if isinstance(item, SourceError):
+        return Invalid(item.line, item.reason)
+    line, row = item.line, item.data
+    try:
+        msgs = row_to_messages(ds, row)
+    except ValueError as exc:
+        return Invalid(line, f"{where}{exc}")
+    pid = _row_id(ds, row)
+    if pid is None:
+        return Invalid(line, f"{where}missing id field {ds.id_field!r}")
+    chars = prompt_chars(msgs)
+    if ds.min_prompt_chars is not None and chars < ds.min_prompt_chars:
+        return Filtered(line, f"{where}prompt has {chars} characters, fewer than min_prompt_chars "
+                              f"{ds.min_prompt_chars}")
+    if ds.max_prompt_chars is not None and chars > ds.max_prompt_chars:
+        return Filtered(line, f"{where}prompt has {chars} characters, more than max_prompt_chars "
+                              f"{ds.max_prompt_chars}")
+    if encoder is None:
+        return Prompt(line, pid, msgs)
+    try:
+        ids = encoder.encode(msgs)
+    except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles must alternate)
+        return Invalid(line, f"{where}chat template failed: {type(exc).__name__}: {exc}")
+    if (why := encoder.too_long(len(ids))) is not None:
+        return Invalid(line, f"{where}{why}")
+    return Prompt(line, pid, msgs, ids if encoder.send_ids else None, len(ids))

@@ -15,13 +15,13 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from rq import Queue
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from producer.collector import Collector
+from producer.meta import check_and_write_meta
 from producer.reader import Filtered, Invalid, Prompt, read_prompts
 from producer.reconcile import adopt_missing, rows_on_disk
 from shared import keys
@@ -71,9 +71,6 @@ class Producer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.conn = connect(cfg.redis_url)
-        for ds in cfg.datasets:
-            if "://" not in ds.path and not Path(ds.path).exists():
-                raise FileNotFoundError(f"dataset {ds.name}: file not found: {ds.path}")
         self.feeds: list[Feed] = []
         for ds in cfg.datasets:
             register_dataset(self.conn, ds)
@@ -81,11 +78,14 @@ class Producer:
             self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q))
         self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
         for ds in cfg.datasets:
+            for warning in check_and_write_meta(cfg, ds, cfg.output_dir):
+                log.warning(warning)
             adopted, tokens = adopt_missing(self.conn, rows_on_disk(cfg.output_dir, ds), ds.name)
             if adopted:
                 log.warning("dataset %s: %d rows on disk were not in Redis's done set (Redis lost data?): "
                             "adopted them (+%d tokens) so they are not generated again", ds.name, adopted, tokens)
         self.maintenance = Maintenance(self.conn, cfg.worker.maintenance_interval_s)
+        self.stop_requested = False
         self._maintained_at = 0.0
         self._invalid_files = {d.name: cfg.output_dir / f"{d.name}.invalid.jsonl" for d in cfg.datasets}
 
@@ -201,8 +201,10 @@ class Producer:
                 continue
             if on_tick is not None:
                 on_tick(self)
-            if all(f.complete for f in self.feeds):
+            if all(f.complete for f in self.feeds) or self.stop_requested:
                 self.collector.drain()
+                if self.stop_requested:
+                    log.warning("stopped on request with the run unfinished; `budgetq produce` again continues it")
                 break
             if not wrote:
                 time.sleep(poll)

@@ -94,7 +94,7 @@ async def run_job(w: ConcurrentWorker, t: Tracked) -> None:
         await asyncio.shield(_on_cancel(w, t))
     except Exception as exc:  # noqa: BLE001 - a bug must fail one job, never the worker
         log.exception("job %s: unexpected error", t.claimed.job_id)
-        if await asyncio.shield(_release(w, t)):
+        if await asyncio.shield(_release(w, t)) is Released.YES:
             w.end(t, End.FAILED, reason=f"{type(exc).__name__}: {exc}")
             w.count(t.ds, "failed")
     finally:
@@ -162,7 +162,7 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
             w.slots.release()
     except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:
         log.warning("job %s failed: %s", job_id, exc)
-        if await _release(w, t):
+        if await _release(w, t) is Released.YES:
             w.end(t, End.FAILED, reason=str(exc))
             w.count(t.ds, "failed")
         return
@@ -183,16 +183,24 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
         w.control.budget_crossed(t.ds)
 
 
-async def _release(w: ConcurrentWorker, t: Tracked, generated: int = 0) -> bool:
-    """Release this job's reservation; False if we no longer hold the job (lease lost)."""
+class Released(enum.Enum):
+    YES = "released"
+    NOT_OURS = "not ours"          # our lease ran out: the job was requeued, maybe running elsewhere
+    ALREADY_DONE = "already done"  # another copy of the job committed it
+
+
+async def _release(w: ConcurrentWorker, t: Tracked, generated: int = 0) -> Released:
     call = budget.release(t.ds, t.claimed.job_id, generated, member=t.claimed.member)
-    released = await retry_redis(lambda: w.batch(call), f"release {t.claimed.job_id}", give_up_after_s=60)
+    n = await retry_redis(lambda: w.batch(call), f"release {t.claimed.job_id}", give_up_after_s=60)
     w.control.room_freed(t.ds)
-    if released < 0:
+    if n == -1:
         log.warning("job %s: our lease ran out (it was requeued and may run elsewhere): dropping our copy",
                     t.claimed.job_id)
-        return False
-    return True
+        return Released.NOT_OURS
+    if n == -2:
+        w.end(t, End.FINISHED, {"status": "already_done"})
+        return Released.ALREADY_DONE
+    return Released.YES
 
 
 async def _requeue(w: ConcurrentWorker, t: Tracked) -> None:
@@ -211,7 +219,7 @@ async def _on_cancel(w: ConcurrentWorker, t: Tracked) -> None:
         generated = 0
         if t.phase is Phase.SENDING:
             generated = int(w.length.generated_so_far(time.monotonic() - t.admitted_at))
-        if await _release(w, t, generated):
+        if await _release(w, t, generated) is Released.YES:
             w.end(t, End.SKIPPED, {"status": "aborted"}, reason=f"aborted in flight: {reason}")
             w.count(t.ds, "aborted")
     except Exception as exc:  # noqa: BLE001 - Redis gone: the lease will expire and it is requeued

@@ -7,7 +7,8 @@
 -- With KEYS[10], the release only happens while the caller still holds the job: a worker
 -- whose lease ran out (the job was requeued and may run elsewhere, holding a reservation
 -- under the same job id) must not give back the new holder's reservation.
--- Returns the number of tokens released (0 if the job held none), -1 if not the holder.
+-- Returns the number of tokens released (0 if the job held none), -1 if not the holder,
+-- -2 if the prompt is already committed (another copy of the job finished it).
 local generated = tonumber(ARGV[2] or '0')
 if generated > 0 then
   redis.call('HINCRBY', KEYS[6], 'generated_tokens', generated)
@@ -17,6 +18,13 @@ if KEYS[10] and not redis.call('ZSCORE', KEYS[10], ARGV[3]) then
   return -1
 end
 local held = redis.call('HGET', KEYS[3], ARGV[1])
+if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1 then
+  if held then
+    redis.call('HDEL', KEYS[3], ARGV[1])
+    redis.call('DECRBY', KEYS[4], tonumber(held))
+  end
+  return -2
+end
 if not held then
   return 0
 end

@@ -1,0 +1,119 @@
+"""``budgetq export``: out/<dataset>.jsonl -> Parquet, streamed in batches (never the whole file).
+
+Columns are ResultRow's fields; ``conversations`` is list<struct<role: string, content: string>>,
+the layout SpecForge (and ``datasets.load_dataset("parquet", ...)``) reads as chat turns. The
+dataset's meta record (out/<dataset>.meta.json), when there is one, rides along in the file's
+key-value metadata under ``budgetq.meta``. A malformed line is reported with file and line and
+skipped; the rest of the file is exported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import ValidationError
+
+from producer.sources import kind
+from shared.schema import ResultRow
+
+log = logging.getLogger("budgetq.export")
+BATCH_ROWS = 2048
+MAX_REPORTED = 20   # malformed lines listed one by one; beyond that only counted
+
+TURN = pa.struct([("role", pa.string()), ("content", pa.string())])  # as datasets writes list-of-dict columns
+SCHEMA = pa.schema([
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("dataset", pa.string(), nullable=False),
+    pa.field("conversations", pa.list_(TURN), nullable=False),
+    pa.field("reasoning_content", pa.string()),
+    pa.field("prompt_tokens", pa.int64(), nullable=False),
+    pa.field("completion_tokens", pa.int64(), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("model", pa.string(), nullable=False),
+    pa.field("endpoint", pa.string(), nullable=False),
+    pa.field("latency_s", pa.float64(), nullable=False),
+])
+
+
+@dataclass
+class ExportResult:
+    source: Path
+    target: Path
+    rows: int = 0
+    malformed: int = 0
+    reports: list[str] = field(default_factory=list)   # the first MAX_REPORTED malformed lines
+
+
+def _error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(row)"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{loc}: {first['msg']}{more}"
+
+
+def _parse(raw: bytes) -> dict:
+    """One JSONL line -> a row in SCHEMA's layout; ValueError says why it is not one."""
+    try:
+        obj = json.loads(raw.decode("utf-8").rstrip("\r\n"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not valid UTF-8 (byte {exc.start + 1})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"bad JSON at column {exc.colno}: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"row is {kind(obj)}, not a JSON object")
+    try:
+        row = ResultRow.model_validate(obj)
+    except ValidationError as exc:
+        raise ValueError(_error(exc)) from None
+    out = row.model_dump(include=set(SCHEMA.names))
+    out["conversations"] = [{"role": m.role, "content": m.content} for m in row.conversations]
+    return out
+
+
+def export_parquet(source: Path, target: Path, meta: Path | None = None,
+                   batch_rows: int = BATCH_ROWS) -> ExportResult:
+    """Write ``source`` (a results JSONL) to ``target`` (Parquet), replacing it only when done."""
+    res = ExportResult(Path(source), Path(target))
+    schema = SCHEMA
+    if meta is not None and meta.exists():
+        schema = SCHEMA.with_metadata({b"budgetq.meta": meta.read_bytes()})
+    res.target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = res.target.with_name(res.target.name + ".tmp")
+    try:
+        with open(res.source, "rb") as fh, pq.ParquetWriter(tmp, schema) as writer:
+            _copy(fh, writer, schema, res, batch_rows)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, res.target)
+    return res
+
+
+def _copy(fh: BinaryIO, writer: pq.ParquetWriter, schema: pa.Schema, res: ExportResult, batch_rows: int) -> None:
+    batch: list[dict] = []
+    for line_no, raw in enumerate(fh, start=1):
+        if not raw.strip():
+            continue
+        try:
+            batch.append(_parse(raw))
+        except ValueError as exc:
+            res.malformed += 1
+            msg = f"{res.source}:{line_no}: malformed row skipped: {exc}"
+            log.warning(msg)
+            if len(res.reports) < MAX_REPORTED:
+                res.reports.append(msg)
+            continue
+        if len(batch) >= batch_rows:
+            writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+            res.rows += len(batch)
+            batch.clear()
+    if batch:
+        writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+        res.rows += len(batch)
