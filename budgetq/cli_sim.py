@@ -31,11 +31,16 @@ def settings_from_args(args: argparse.Namespace):
         value = getattr(args, name)
         if not 0.0 <= value <= 1.0:
             raise BudgetqError(f"--{name.replace('_', '-')} {value}: must be between 0 and 1")
-    for name in ("peak_tok_s", "prefill_tok_s", "length_mean", "speedup", "half_batch"):
+    for name in ("peak_tok_s", "prefill_tok_s", "length_mean", "speedup"):
         if getattr(args, name) <= 0:
             raise BudgetqError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be > 0")
-    if args.max_running_requests < 1:
-        raise BudgetqError(f"--max-running-requests {args.max_running_requests}: must be >= 1")
+    for name, low in (("max_running_requests", 1), ("max_queued_requests", 0), ("context_length", 2),
+                      ("keep_records", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise BudgetqError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
+    if args.spike_s < 0 or args.half_batch < 0 or args.length_sigma < 0 or args.stream_interval_s <= 0:
+        raise BudgetqError("--spike-s, --half-batch and --length-sigma must be >= 0, --stream-interval-s > 0")
     try:
         codes = parse_codes(args.error_codes)
     except ValueError as exc:
@@ -97,7 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--context-length", type=int, default=32768)
     g.add_argument("--model", "--served-model-name", dest="model", default="sim-model")
     g.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (not on /health*, /metrics)")
-    g.add_argument("--stream-interval-s", type=float, default=0.02, help="at most one stream chunk per this")
+    g.add_argument("--stream-interval-s", type=float, default=0.05, help="at most one stream chunk per this (wall s)")
     g.add_argument("--keep-records", type=int, default=200_000, help="records /sim/requests keeps")
     g = sp.add_argument_group("faults (also live: POST /sim/faults)")
     g.add_argument("--error-rate", type=float, default=0.0, help="share of requests answered with an error")

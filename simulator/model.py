@@ -59,7 +59,7 @@ class SimSettings:
     seed: int = 0
     model: str = "sim-model"
     # Streaming responses emit a chunk at most this often (wall seconds).
-    stream_interval_s: float = 0.02
+    stream_interval_s: float = 0.05
     # /sim/requests keeps the newest this many records.
     keep_records: int = 200_000
 
@@ -69,7 +69,7 @@ class RequestRecord:
 
     __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
                  "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
-                 "first_token", "v_start", "done", "dropped", "seq", "abort_message", "_t_arrived")
+                 "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived")
 
     def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
                  endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
@@ -89,6 +89,7 @@ class RequestRecord:
         self.first_token: float | None = None
         self.v_start = 0.0
         self.done: asyncio.Future | None = None
+        self.waiter: asyncio.Future | None = None     # a stream waiting for its next tick
         self.dropped = False
         self.seq = 0
         self.abort_message = ""
@@ -264,6 +265,8 @@ class Engine:
         self._inflight.pop(rec.seq, None)
         if rec.done is not None and not rec.done.done():
             rec.done.set_result(None)
+        if rec.waiter is not None and not rec.waiter.done():
+            rec.waiter.set_result(None)
 
     # --- the event loop of the model ------------------------------------------------------------
 

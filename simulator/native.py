@@ -102,7 +102,7 @@ class NativeRoutes:
                 if batch:
                     out["index"] = i
                 # Text and output_ids are cumulative in every chunk (SGLang's default).
-                await resp.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+                await resp.write(b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp

@@ -37,7 +37,7 @@ async def oai_body(request: web.Request) -> dict:
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 DONE_EVENT = b"data: [DONE]\n\n"

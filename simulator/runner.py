@@ -44,6 +44,7 @@ class Runner:
         self.engine = engine
         self.faults = faults
         self.lengths = LengthModel(settings.seed, settings.length_mean, settings.length_sigma, settings.length_means)
+        self._ticker = Ticker(settings.stream_interval_s)
 
     def injected_error(self) -> BadRequest | None:
         code = self.faults.error_status()
@@ -108,8 +109,11 @@ class Runner:
     async def progress(self, rec: RequestRecord) -> AsyncIterator[tuple[int, bool]]:
         """(tokens, final) as ``rec`` grows, at most one every stream interval; the final one last."""
         last = -1
+        loop = asyncio.get_running_loop()
         while rec.state != DONE:
-            await asyncio.wait([rec.done], timeout=self.s.stream_interval_s)
+            rec.waiter = loop.create_future()   # resolved by the next tick, or by the engine when rec ends
+            self._ticker.add(rec.waiter)
+            await rec.waiter
             if rec.state == DONE:
                 break
             k = self.engine.tokens_now(rec)
@@ -140,6 +144,27 @@ class Runner:
         finally:
             for t in tasks:
                 t.cancel()
+
+
+class Ticker:
+    """One timer for every stream: each interval it wakes all streams waiting for their next chunk."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._waiters: list[asyncio.Future] = []
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, waiter: asyncio.Future) -> None:
+        self._waiters.append(waiter)
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
 
 async def drop_connection(request: web.Request) -> None:
