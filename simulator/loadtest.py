@@ -134,20 +134,23 @@ def hold(n: int, seconds: float, stream: bool, chat: bool) -> dict:
 # --- loop: closed-loop clients, real lengths ---------------------------------------------------------
 
 async def _loop(url: str, clients: int, seconds: float, pid: int) -> dict:
-    deadline = time.monotonic() + seconds
     body = {"text": "x" * 400, "sampling_params": {"max_new_tokens": 8000}}
 
     async def client(session: aiohttp.ClientSession, i: int) -> None:
         k = 0
-        while time.monotonic() < deadline:
+        while True:
             async with session.post(url + "/generate", json={**body, "rid": f"c{i}-{k}"}) as r:
                 await r.read()
             k += 1
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         s0, c0, t0 = await _get(session, url + "/sim/stats"), cpu_s(pid), time.monotonic()
-        await asyncio.gather(*[client(session, i) for i in range(clients)])
+        tasks = [asyncio.create_task(client(session, i)) for i in range(clients)]
+        await asyncio.sleep(seconds)
         s1, wall, cpu = await _get(session, url + "/sim/stats"), time.monotonic() - t0, cpu_s(pid) - c0
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return {"mode": "loop", "clients": clients, "completed": s1["completed"] - s0["completed"],
             "req_per_s": round((s1["completed"] - s0["completed"]) / wall, 1),
             "tok_per_s": round((s1["generated_tokens"] - s0["generated_tokens"]) / wall),

@@ -13,6 +13,8 @@ from simulator.faults import ERROR_MESSAGES, FaultInjector
 from simulator.lengths import LengthModel
 from simulator.model import DONE, Engine, RequestRecord, SimSettings
 
+MATCHED_STOP = 2   # the EOS id the simulated model "stops" on
+
 
 class BadRequest(Exception):
     """Invalid input: 400 (SGLang answers validation errors with 400, not 422)."""
@@ -200,6 +202,3 @@ def finish_json(rec: RequestRecord, max_new_tokens: int | None) -> dict:
     if rec.finish == "length":
         return {"type": "length", "length": max_new_tokens if max_new_tokens is not None else rec.completion_tokens}
     return {"type": "stop", "matched": MATCHED_STOP}
-
-
-MATCHED_STOP = 2   # the EOS id the simulated model "stops" on
