@@ -311,14 +311,14 @@ def test_capacity_saturates_and_the_rest_queue_fifo():
         assert 'sglang:num_queue_reqs{model_name="sim-model"} 6.0' in text
         await asyncio.gather(*reqs)
         _, recs = await get(c, u + "/sim/requests")
-        admitted = [r["rid"] for r in sorted(recs, key=lambda r: r["admitted"])]
-        assert admitted[4:] == [f"q{i}" for i in range(4, 10)]     # the queue is FIFO
+        by_arrival = [r["rid"] for r in sorted(recs, key=lambda r: r["arrived"])]
+        assert [r["rid"] for r in sorted(recs, key=lambda r: r["admitted"])] == by_arrival   # FIFO
         stats = await until(c, u, lambda s: s["running"] == 0)
         assert stats["peak_running"] == 4 and stats["peak_queued"] == 6 and stats["completed"] == 10
         assert stats["generated_tokens"] == 500 and stats["aborted_tokens"] == 0
-    # 50 tokens at ~1 tok/s each: the first four hold their slots for many seconds of wall time
-    # unless sped up; speed-up 10 keeps the test short while the queue is still observable.
-    run_sim(scenario, speedup=10, peak_tok_s=40, half_batch=0, length_mean=1000, length_sigma=0.0,
+    # Four decoding at 20 * 10 / 4 = 50 tok/s each hold their slots for a wall second: long
+    # enough to see the queue, short enough for a quick test.
+    run_sim(scenario, speedup=10, peak_tok_s=20, half_batch=0, length_mean=1000, length_sigma=0.0,
             max_running_requests=4)
 
 
