@@ -1,17 +1,38 @@
-"""The simulated engine: response lengths, a capacity curve, and the accounting of work done."""
+"""The simulated engine: a continuous-batching capacity model driven by events, and its accounting.
+
+Time model. Up to ``max_running_requests`` requests hold a slot; the rest wait in a FIFO queue.
+A request that gets a slot is first prefilled (one prefill pipeline shared by all, so TTFT grows
+with prompt length and with the prompts ahead of it), then decodes. With B requests decoding the
+aggregate rate is ``peak * B / (B + half_batch)`` tokens/s, so each one decodes at
+``peak / (B + half_batch)``: the batch's throughput saturates while each request slows down.
+
+Event-driven. Every decoding request advances at the same rate, so one number V(t) -- the tokens
+any decoding request has gained since time 0 -- describes them all. A request that starts decoding
+at V0 with a target of n tokens finishes when V reaches V0 + n: a heap keyed by that value orders
+the finishes. V is brought up to date only when something happens (arrival, prefill end, finish,
+abort), and a single loop timer sleeps until the next finish or prefill end. 512 concurrent
+requests cost O(log n) per event, not a wake-up per request every few milliseconds.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
-import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+from simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
+
+QUEUED, PREFILL, DECODE, DONE = range(4)
 
 
 @dataclass
 class SimSettings:
     max_running_requests: int = 256
+    # Requests allowed to wait for a slot; past that SGLang answers 503. None: unbounded.
+    max_queued_requests: int | None = None
     # Aggregate decode speed at full batch, tokens/s (before speed-up), and the batch size
     # at which half of it is reached: tok/s(B) = peak * B / (B + half_batch).
     peak_tok_s: float = 20_000.0
@@ -22,91 +43,312 @@ class SimSettings:
     # rid prefix -> mean response length, so one simulator can mimic several datasets.
     length_means: dict[str, float] = field(default_factory=dict)
     speedup: float = 1.0
+    # Respond as fast as possible: lengths are still drawn, but no capacity model and no sleeping.
+    instant: bool = False
+    # Fault injection (also changeable live through POST /sim/faults).
     error_rate: float = 0.0
+    error_codes: list[int] = field(default_factory=lambda: [503])
+    spike_rate: float = 0.0
+    spike_s: float = 5.0
+    drop_rate: float = 0.0
     context_length: int = 32768
+    # Reasoning: this fraction of each response is "thinking"; a parser name separates it.
+    reasoning_tokens_frac: float = 0.0
+    reasoning_parser: str | None = None
+    api_key: str | None = None
     seed: int = 0
     model: str = "sim-model"
+    # Streaming responses emit a chunk at most this often (wall seconds).
+    stream_interval_s: float = 0.05
+    # /sim/requests keeps the newest this many records.
+    keep_records: int = 200_000
 
 
-@dataclass
 class RequestRecord:
-    rid: str
-    arrived: float
-    prompt_tokens: int
-    completion_tokens: int = 0
-    finished: float | None = None
-    finish: str = ""
+    """One request that reached the engine: its timeline and the tokens it got."""
+
+    __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
+                 "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
+                 "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived")
+
+    def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
+                 endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
+        self.rid = rid
+        self.endpoint = endpoint
+        self.arrived = time.time()
+        self.prompt_tokens = prompt_tokens
+        self.input_ids_head = input_ids_head
+        self.target = target
+        self.natural_finish = natural_finish
+        self.reasoning_target = reasoning_target
+        self.state = QUEUED
+        self.completion_tokens = 0
+        self.finish = ""
+        self.finished: float | None = None
+        self.admitted: float | None = None
+        self.first_token: float | None = None
+        self.v_start = 0.0
+        self.done: asyncio.Future | None = None
+        self.waiter: asyncio.Future | None = None     # a stream waiting for its next tick
+        self.dropped = False
+        self.seq = 0
+        self.abort_message = ""
+        self._t_arrived = 0.0
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "endpoint": self.endpoint, "arrived": self.arrived, "admitted": self.admitted,
+                "first_token": self.first_token, "finished": self.finished, "finish": self.finish,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
+                "input_ids_head": self.input_ids_head}
 
 
 class Engine:
-    """Shares an aggregate token rate among running requests; the rest wait in a queue."""
-
-    TICK_S = 0.005
+    """Shares an aggregate token rate among running requests; the rest wait in a FIFO queue."""
 
     def __init__(self, settings: SimSettings) -> None:
         self.s = settings
-        self._rng = random.Random(settings.seed)
-        self._slots = asyncio.Semaphore(settings.max_running_requests)
-        self.running = 0
-        self.queued = 0
-        self.generated_tokens = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: deque[RequestRecord] = deque()
+        self._prefill: deque[tuple[float, RequestRecord]] = deque()   # FIFO, so ends are in order
+        self._prefill_free = 0.0
+        self._heap: list[tuple[float, int, RequestRecord]] = []       # (V at finish, seq, request)
+        self._decoding: dict[int, RequestRecord] = {}
+        self._inflight: dict[int, RequestRecord] = {}
+        self._seq = 0
+        self._v = 0.0
+        self._t = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self.records: deque[RequestRecord] = deque(maxlen=settings.keep_records)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.records.clear()
+        self.running = sum(1 for r in self._inflight.values() if r.state in (PREFILL, DECODE))
+        self.queued = sum(1 for r in self._inflight.values() if r.state == QUEUED)
+        self.requests = 0
+        self.completed = 0
+        self.aborted = 0
+        self.dropped = 0
+        self.prompt_tokens = 0
+        self._done_tokens = 0          # tokens of requests no longer decoding (kept or not)
         self.aborted_tokens = 0
-        self.records: list[RequestRecord] = []
+        self.dropped_tokens = 0
+        self.peak_running = self.running
+        self.peak_queued = self.queued
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
 
-    def draw_length(self, rid: str, max_tokens: int) -> int:
-        mean = self.s.length_mean
-        for prefix, m in self.s.length_means.items():
-            if rid.startswith(prefix):
-                mean = m
-                break
-        sigma = self.s.length_sigma
-        # lognormal with E[X] = mean: mu = ln(mean) - sigma^2 / 2
-        n = int(self._rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)) + 1
-        return min(n, max_tokens)
+    # --- time -----------------------------------------------------------------------------------
 
-    def rate_per_request(self) -> float:
-        b = max(self.running, 1)
-        return self.s.peak_tok_s * b / (b + self.s.half_batch) / b
+    def _now(self) -> float:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._t = self._loop.time()
+        return self._loop.time()
 
-    async def generate(self, rec: RequestRecord, target: int, on_tokens=None) -> None:
-        """Advance ``rec`` to ``target`` tokens at the capacity model's pace.
+    def rate_per_request(self, decoding: int | None = None) -> float:
+        """Tokens/s (simulated time scaled by speed-up) each decoding request gains."""
+        b = len(self._decoding) if decoding is None else decoding
+        return self.s.peak_tok_s * self.s.speedup / (max(b, 1) + self.s.half_batch)
 
-        Cancellation (client disconnect) stops the work, as SGLang aborts; tokens made so far
-        stay counted in ``generated_tokens`` so benchmarks can measure waste.
-        """
+    def throughput(self) -> float:
+        """Aggregate decode tokens/s right now, in simulated time (what SGLang's gen_throughput shows)."""
+        b = len(self._decoding)
+        return self.s.peak_tok_s * b / (b + self.s.half_batch) if b else 0.0
+
+    def _advance(self, now: float) -> None:
+        if self._decoding:
+            self._v += self.rate_per_request() * (now - self._t)
+        self._t = now
+
+    def _v_at(self, now: float) -> float:
+        return self._v + (self.rate_per_request() * (now - self._t) if self._decoding else 0.0)
+
+    def tokens_now(self, rec: RequestRecord) -> int:
+        """Tokens ``rec`` has so far (streaming reads this between events)."""
+        if rec.state == DECODE:
+            return min(rec.target, int(self._v_at(self._now()) - rec.v_start + 1e-6))
+        return rec.completion_tokens
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def submit(self, rec: RequestRecord, drop_at: int | None = None) -> RequestRecord:
+        """Queue ``rec``; with ``drop_at`` it stops after that many tokens and counts as dropped."""
+        now = self._now()
+        rec._t_arrived = now
+        self.records.append(rec)
+        self.requests += 1
+        self.prompt_tokens += rec.prompt_tokens
+        if drop_at is not None and drop_at < rec.target:
+            rec.target, rec.dropped = drop_at, True
+        elif drop_at is not None:
+            rec.dropped = True
+        if self.s.instant:
+            rec.admitted = rec.first_token = time.time()
+            self._close(rec, rec.target, "drop" if rec.dropped else rec.natural_finish, now)
+            return rec
+        self._seq += 1
+        rec.seq = self._seq
+        self._inflight[rec.seq] = rec
+        rec.done = self._loop.create_future()
+        self._queue.append(rec)
         self.queued += 1
+        self.peak_queued = max(self.peak_queued, self.queued)
+        self._admit(now)
+        self._schedule()
+        return rec
+
+    async def wait(self, rec: RequestRecord) -> None:
+        """Until ``rec`` is finished, aborted or dropped. Cancelling the caller aborts it (SGLang does)."""
+        if rec.state == DONE:
+            return
         try:
-            await self._slots.acquire()
-        finally:
-            self.queued -= 1
-        self.running += 1
-        try:
-            await asyncio.sleep(rec.prompt_tokens / self.s.prefill_tok_s / self.s.speedup)
-            progress = 0.0
-            last = time.monotonic()
-            while rec.completion_tokens < target:
-                await asyncio.sleep(self.TICK_S)
-                now = time.monotonic()
-                progress += self.rate_per_request() * (now - last) * self.s.speedup
-                last = now
-                step = min(int(progress), target - rec.completion_tokens)
-                if step:
-                    progress -= step
-                    rec.completion_tokens += step
-                    self.generated_tokens += step
-                    if on_tokens is not None:
-                        await on_tokens(rec.completion_tokens)
+            await asyncio.shield(rec.done)
         except asyncio.CancelledError:
-            rec.finish = "abort"
-            self.aborted_tokens += rec.completion_tokens
+            self.abort(rec)
             raise
-        finally:
+
+    def abort(self, rec: RequestRecord) -> None:
+        """Stop ``rec`` now: tokens made so far stay counted as generated and count as aborted."""
+        if rec.state == DONE:
+            return
+        now = self._now()
+        tokens = 0
+        rec.abort_message = "Abort in waiting queue" if rec.state == QUEUED else "Aborted"
+        if rec.state == QUEUED:
+            self.queued -= 1               # removed lazily from the deque
+        elif rec.state == PREFILL:
             self.running -= 1
-            self._slots.release()
-            rec.finished = time.time()
+        else:
+            self._advance(now)
+            tokens = min(rec.target, int(self._v - rec.v_start + 1e-6))
+            del self._decoding[rec.seq]
+            self.running -= 1
+        rec.dropped = False
+        self._close(rec, tokens, "abort", now)
+        self._admit(now)
+        self._schedule()
+
+    def abort_rid(self, rid: str) -> int:
+        """SGLang's /abort_request: nothing unless ``rid`` is in flight, then every rid starting with it."""
+        live = list(self._inflight.values())
+        if not any(r.rid == rid for r in live):
+            return 0
+        hits = [r for r in live if r.rid.startswith(rid)]
+        for r in hits:
+            self.abort(r)
+        return len(hits)
+
+    def abort_all(self) -> int:
+        live = list(self._inflight.values())
+        for r in live:
+            self.abort(r)
+        return len(live)
+
+    def _close(self, rec: RequestRecord, tokens: int, finish: str, now: float) -> None:
+        rec.state = DONE
+        rec.completion_tokens = tokens
+        rec.finish = finish
+        rec.finished = time.time()
+        self._done_tokens += tokens
+        if finish == "abort":
+            self.aborted += 1
+            self.aborted_tokens += tokens
+        elif finish == "drop":
+            self.dropped += 1
+            self.dropped_tokens += tokens
+            self.aborted_tokens += tokens
+        else:
+            self.completed += 1
+            self.e2e.observe(now - rec._t_arrived)
+        self._inflight.pop(rec.seq, None)
+        if rec.done is not None and not rec.done.done():
+            rec.done.set_result(None)
+        if rec.waiter is not None and not rec.waiter.done():
+            rec.waiter.set_result(None)
+
+    # --- the event loop of the model ------------------------------------------------------------
+
+    def _admit(self, now: float) -> None:
+        limit = self.s.max_running_requests
+        while self._queue and self.running < limit:
+            rec = self._queue.popleft()
+            if rec.state != QUEUED:
+                continue
+            self.queued -= 1
+            self.running += 1
+            start = max(now, self._prefill_free)
+            end = start + rec.prompt_tokens / (self.s.prefill_tok_s * self.s.speedup)
+            self._prefill_free = end
+            rec.state = PREFILL
+            rec.admitted = time.time()
+            self._prefill.append((end, rec))
+        self.peak_running = max(self.peak_running, self.running)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        self._advance(now)
+        # Finished decodes first (they free slots), with a tolerance of a microsecond of decoding.
+        done_v = self._v + self.rate_per_request() * 1e-6
+        heap = self._heap
+        while heap and (heap[0][2].state != DECODE or heap[0][0] <= done_v):
+            vf, _, rec = heapq.heappop(heap)
+            if rec.state != DECODE or rec.seq not in self._decoding:
+                continue
+            del self._decoding[rec.seq]
+            self.running -= 1
+            self._close(rec, rec.target, "drop" if rec.dropped else rec.natural_finish, now)
+        while self._prefill and (self._prefill[0][1].state != PREFILL or self._prefill[0][0] <= now + 1e-9):
+            _, rec = self._prefill.popleft()
+            if rec.state != PREFILL:
+                continue
+            rec.first_token = time.time()
+            self.ttft.observe(now - rec._t_arrived)
+            if rec.target <= 0:
+                self.running -= 1
+                self._close(rec, 0, "drop" if rec.dropped else rec.natural_finish, now)
+                continue
+            rec.state = DECODE
+            rec.v_start = self._v
+            self._decoding[rec.seq] = rec
+            heapq.heappush(heap, (self._v + rec.target, rec.seq, rec))
+        self._admit(now)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Point the one timer at the next prefill end or decode finish."""
+        heap = self._heap
+        while heap and heap[0][2].state != DECODE:
+            heapq.heappop(heap)
+        while self._prefill and self._prefill[0][1].state != PREFILL:
+            self._prefill.popleft()
+        when = math.inf
+        if heap:
+            when = self._t + (heap[0][0] - self._v) / self.rate_per_request()
+        if self._prefill:
+            when = min(when, self._prefill[0][0])
+        if self._timer is not None:
+            if abs(self._timer.when() - when) < 1e-7:
+                return
+            self._timer.cancel()
+            self._timer = None
+        if when != math.inf:
+            self._timer = self._loop.call_at(when, self._on_timer)
+
+    # --- reporting ------------------------------------------------------------------------------
+
+    def generated_tokens(self) -> int:
+        """Every token made so far, kept or wasted, including those of requests still decoding."""
+        return self._done_tokens + sum(self.tokens_now(r) for r in self._decoding.values())
 
     def stats(self) -> dict:
         return {
-            "running": self.running, "queued": self.queued, "requests": len(self.records),
-            "generated_tokens": self.generated_tokens, "aborted_tokens": self.aborted_tokens,
+            "running": self.running, "queued": self.queued, "requests": self.requests,
+            "completed": self.completed, "aborted": self.aborted, "dropped": self.dropped,
+            "generated_tokens": self.generated_tokens(), "aborted_tokens": self.aborted_tokens,
+            "dropped_tokens": self.dropped_tokens, "prompt_tokens": self.prompt_tokens,
+            "peak_running": self.peak_running, "peak_queued": self.peak_queued,
+            "gen_throughput": self.throughput(),
         }

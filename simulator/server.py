@@ -1,147 +1,162 @@
-"""HTTP surface of the simulator: SGLang's endpoints and JSON shapes (see SGLANG_API.md)."""
+"""HTTP surface of the simulator: SGLang's endpoints and JSON shapes (see SGLANG_API.md), plus /sim/*.
+
+/sim/* are the simulator's own test hooks (stats, request records, live faults, reset); they are
+never behind the API key or the down switch, so a test can always read them and switch back.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from pydantic import ValidationError
 
-from simulator.model import Engine, RequestRecord, SimSettings
+from simulator import metrics
+from simulator.faults import FaultInjector, Faults
+from simulator.model import Engine, SimSettings
+from simulator.native import NativeRoutes
+from simulator.oai_routes import OpenAIRoutes
+from simulator.runner import Runner
 
-WORD = "tok "
-
-
-def _prompt_tokens(text: str) -> int:
-    return max(1, len(text) // 4)
-
-
-def _oai_error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    # SGLang's OpenAI-compatible error body is flat, not OpenAI's nested envelope.
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return web.json_response(body, status=status)
+VERSION = "0.5.15-sim"
+_NO_KEY = {"/health", "/health_generate", "/metrics"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class SimServer:
-    def __init__(self, settings: SimSettings) -> None:
+    def __init__(self, settings: SimSettings, host: str = "127.0.0.1", port: int = 30000) -> None:
         self.s = settings
+        self.host, self.port = host, port
         self.engine = Engine(settings)
+        self.faults = FaultInjector(Faults(
+            error_rate=settings.error_rate, error_codes=settings.error_codes, spike_rate=settings.spike_rate,
+            spike_s=settings.spike_s, drop_rate=settings.drop_rate, context_length=settings.context_length),
+            settings.seed)
+        self.runner = Runner(settings, self.engine, self.faults)
+        self.started = time.time()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._gate])
+        oai, native = OpenAIRoutes(self.s, self.runner), NativeRoutes(self.s, self.runner)
         app.add_routes([
-            web.post("/v1/chat/completions", self.chat),
-            web.post("/generate", self.generate),
+            web.post("/v1/chat/completions", oai.chat),
+            web.post("/v1/completions", oai.completions),
+            web.post("/generate", native.generate),
             web.get("/health", self.health),
             web.get("/health_generate", self.health),
             web.get("/v1/models", self.models),
             web.get("/get_model_info", self.model_info),
             web.get("/model_info", self.model_info),
+            web.get("/get_server_info", self.server_info),
+            web.get("/server_info", self.server_info),
+            web.post("/abort_request", self.abort_request),
+            web.get("/metrics", self.metrics),
             web.get("/sim/stats", self.sim_stats),
             web.get("/sim/requests", self.sim_requests),
+            web.get("/sim/faults", self.sim_faults),
+            web.post("/sim/faults", self.sim_faults),
+            web.post("/sim/reset", self.sim_reset),
         ])
         return app
 
-    def _fault(self) -> web.Response | None:
-        if self.s.error_rate and self.engine._rng.random() < self.s.error_rate:
-            return _oai_error(503, "simulated overload", "ServiceUnavailableError")
-        return None
+    @web.middleware
+    async def _gate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The down switch (503 everywhere, /health too) and the API key, before any route."""
+        path = request.path
+        if path.startswith("/sim/"):
+            return await handler(request)
+        if self.faults.faults.down:
+            self.faults.count("down")
+            if path.startswith("/v1/"):
+                return web.json_response({"object": "error", "message": "The server is down (simulated)",
+                                          "type": "ServiceUnavailableError", "param": None, "code": 503}, status=503)
+            return web.json_response({"error": {"message": "The server is down (simulated)"}}, status=503)
+        key = self.s.api_key
+        if key and path not in _NO_KEY and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
-    async def _run(self, rid: str, prompt_tokens: int, max_tokens: int) -> RequestRecord | web.Response:
-        if prompt_tokens + max_tokens > self.s.context_length and prompt_tokens >= self.s.context_length:
-            return _oai_error(400, f"The input ({prompt_tokens} tokens) is longer than the model's "
-                                   f"context length ({self.s.context_length} tokens).")
-        rec = RequestRecord(rid=rid, arrived=time.time(), prompt_tokens=prompt_tokens)
-        self.engine.records.append(rec)
-        target = self.engine.draw_length(rid, max_tokens)
-        await self.engine.generate(rec, target)
-        rec.finish = "length" if target >= max_tokens else "stop"
-        return rec
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        if request.content_type != "application/json":
-            return _oai_error(400, "Content-Type must be application/json")
-        try:
-            body = await request.json()
-            messages = body["messages"]
-            text = "".join(str(m.get("content", "")) for m in messages)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            return _oai_error(400, f"invalid request: {exc}")
-        if (fault := self._fault()) is not None:
-            return fault
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.s.context_length
-        rid = str(body.get("rid") or uuid.uuid4().hex)
-        started = time.time()
-        out = await self._run(rid, _prompt_tokens(text), int(max_tokens))
-        if isinstance(out, web.Response):
-            return out
-        usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                 "total_tokens": out.prompt_tokens + out.completion_tokens, "reasoning_tokens": 0,
-                 "prompt_tokens_details": None}
-        return web.json_response({
-            "id": rid, "object": "chat.completion", "created": int(started), "model": self.s.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": WORD * out.completion_tokens,
-                                                  "reasoning_content": None, "tool_calls": None},
-                         "logprobs": None, "finish_reason": out.finish, "matched_stop": None}],
-            "usage": usage,
-        })
-
-    async def generate(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            return web.json_response({"error": {"message": f"invalid JSON: {exc}"}}, status=400)
-        if "input_ids" in body and body["input_ids"] is not None:
-            prompt_tokens = len(body["input_ids"])
-        elif isinstance(body.get("text"), str):
-            prompt_tokens = _prompt_tokens(body["text"])
-        else:
-            return web.json_response({"error": {"message": "text or input_ids required"}}, status=400)
-        if (fault := self._fault()) is not None:
-            return fault
-        sp = body.get("sampling_params") or {}
-        max_new = int(sp.get("max_new_tokens") or 128)
-        rid = str(body.get("rid") or uuid.uuid4().hex)
-        started = time.time()
-        out = await self._run(rid, prompt_tokens, max_new)
-        if isinstance(out, web.Response):
-            return out
-        finish = ({"type": "length", "length": out.completion_tokens} if out.finish == "length"
-                  else {"type": "stop", "matched": 2})
-        return web.json_response({
-            "text": WORD * out.completion_tokens, "output_ids": [7] * out.completion_tokens,
-            "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": out.prompt_tokens,
-                          "completion_tokens": out.completion_tokens, "cached_tokens": 0,
-                          "reasoning_tokens": 0, "e2e_latency": time.time() - started},
-        })
+    # --- SGLang's operational routes ------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        # SGLang answers 200 with an empty body once a 1-token generation works; the simulator always can.
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.s.model, "object": "model", "owned_by": "sglang", "root": self.s.model,
-            "max_model_len": self.s.context_length}]})
+            "id": self.s.model, "object": "model", "created": int(self.started), "owned_by": "sglang",
+            "root": self.s.model, "parent": None, "max_model_len": self.faults.faults.context_length}]})
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.s.model, "tokenizer_path": self.s.model,
-                                  "is_generation": True, "preferred_sampling_params": None})
+                                  "is_generation": True, "preferred_sampling_params": None,
+                                  "weight_version": "default", "has_image_understanding": False,
+                                  "has_audio_understanding": False, "model_type": "simulator",
+                                  "architectures": ["SimulatedForCausalLM"]})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        s, f = self.s, self.faults.faults
+        args = {"model_path": s.model, "tokenizer_path": s.model, "served_model_name": s.model,
+                "host": self.host, "port": self.port, "max_running_requests": s.max_running_requests,
+                "max_queued_requests": s.max_queued_requests, "context_length": f.context_length,
+                "reasoning_parser": s.reasoning_parser, "random_seed": s.seed, "enable_metrics": True,
+                "api_key": None if s.api_key is None else "***"}
+        return web.json_response({**args, "max_req_input_len": f.context_length - 1, "version": VERSION,
+                                  "internal_states": [{"last_gen_throughput": self.engine.throughput()}],
+                                  "simulator": {"peak_tok_s": s.peak_tok_s, "half_batch": s.half_batch,
+                                                "prefill_tok_s": s.prefill_tok_s, "speedup": s.speedup,
+                                                "instant": s.instant}})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "body must be a JSON object"}}, status=400)
+        if body.get("abort_all"):
+            self.engine.abort_all()
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            self.engine.abort_rid(body["rid"])
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = metrics.render(self.engine, self.s.model, self.s.max_running_requests)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    # --- the simulator's own hooks --------------------------------------------------------------
 
     async def sim_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(self.engine.stats())
+        return web.json_response({**self.engine.stats(), "errors": dict(self.faults.counts),
+                                  "drops": self.faults.counts.get("drop", 0)})
 
     async def sim_requests(self, request: web.Request) -> web.Response:
-        recs = [{"rid": r.rid, "arrived": r.arrived, "finished": r.finished, "finish": r.finish,
-                 "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
-                for r in self.engine.records]
+        recs = [r.to_json() for r in self.engine.records]
         return web.Response(text=json.dumps(recs), content_type="application/json")
+
+    async def sim_faults(self, request: web.Request) -> web.Response:
+        if request.method == "POST":
+            try:
+                changes = await request.json()
+                if not isinstance(changes, dict):
+                    raise ValueError(f"the body must be a JSON object, got {type(changes).__name__}")
+                self.faults.update(changes)
+            except (ValueError, ValidationError) as exc:
+                return web.json_response({"error": {"message": f"bad faults: {exc}"}}, status=400)
+        return web.json_response(self.faults.faults.model_dump())
+
+    async def sim_reset(self, request: web.Request) -> web.Response:
+        self.engine.reset_counters()
+        self.faults.counts.clear()
+        return web.json_response({"reset": True})
 
 
 async def start_sim(settings: SimSettings, host: str, port: int) -> web.AppRunner:
     """Start serving; returns the runner (call ``cleanup()`` to stop)."""
     # handler_cancellation: a client disconnect cancels the handler, as SGLang aborts.
-    runner = web.AppRunner(SimServer(settings).app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(SimServer(settings, host, port).app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

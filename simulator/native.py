@@ -1,0 +1,121 @@
+"""POST /generate, SGLang's native API: text or input_ids, a list of them is a batch (JSON list back)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+from simulator.model import RequestRecord, SimSettings
+from simulator.runner import BadRequest, Item, Runner, drop_connection, finish_json, open_sse, opt_int
+from simulator.texts import estimate_tokens, inline_text, output_ids
+
+
+def native_error(exc: BadRequest) -> web.Response:
+    return web.json_response({"error": {"message": exc.message}}, status=exc.status)
+
+
+def _inputs(body: dict) -> tuple[list[str | list[int]], bool]:
+    """(inputs, is_batch) from ``input_ids`` (preferred, as SGLang tokenizes nothing then) or ``text``."""
+    ids = body.get("input_ids")
+    if ids is not None:
+        if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return [ids], False
+        if isinstance(ids, list) and ids and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x)
+                                                 for x in ids):
+            return list(ids), True
+        raise BadRequest("input_ids must be a non-empty list of token ids or a list of such lists")
+    text = body.get("text")
+    if isinstance(text, str):
+        return [text], False
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        return list(text), True
+    if text is None:
+        raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+    raise BadRequest("text must be a string or a non-empty list of strings")
+
+
+def _per_item(value: object, n: int, name: str, kind: type) -> list:
+    """A per-request field of a batch: one value for all, or a list with one per input."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"{name} has {len(value)} entries for a batch of {n}")
+        values = value
+    else:
+        values = [value] * n
+    for v in values:
+        if v is not None and not isinstance(v, kind):
+            raise BadRequest(f"{name} must be a {kind.__name__}, got {v!r}")
+    return values
+
+
+class NativeRoutes:
+    def __init__(self, settings: SimSettings, runner: Runner) -> None:
+        self.s = settings
+        self.runner = runner
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            try:
+                body = await request.json()
+            except ValueError as exc:
+                raise BadRequest(f"invalid JSON body: {exc}") from exc
+            if not isinstance(body, dict):
+                raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+            inputs, batch = _inputs(body)
+            n = len(inputs)
+            rids = _per_item(body.get("rid"), n, "rid", str)
+            if not batch and isinstance(body.get("rid"), list):
+                raise BadRequest("rid must be a string for a single input")
+            sps = _per_item(body.get("sampling_params"), n, "sampling_params", dict)
+            if (err := self.runner.injected_error()) is not None:
+                raise err
+            items, caps = [], []
+            for inp, rid, sp in zip(inputs, rids, sps, strict=True):
+                cap = opt_int(sp or {}, "max_new_tokens")
+                cap = 128 if cap is None else cap
+                if isinstance(inp, list):
+                    item = Item(rid, len(inp), cap, "generate", input_ids_head=inp[:8])
+                else:
+                    item = Item(rid, estimate_tokens(inp), cap, "generate")
+                self.runner.check_context(item)
+                items.append(item)
+                caps.append(cap)
+            recs = await self.runner.start(items)
+        except BadRequest as exc:
+            return native_error(exc)
+        if body.get("stream"):
+            return await self._stream(request, recs, caps, batch)
+        await self.runner.wait_all(recs, request)
+        outs = [_output(r, r.completion_tokens, cap, final=True) for r, cap in zip(recs, caps, strict=True)]
+        return web.json_response(outs if batch else outs[0])
+
+    async def _stream(self, request: web.Request, recs: list[RequestRecord], caps: list[int],
+                      batch: bool) -> web.StreamResponse:
+        try:
+            resp = await open_sse(request)
+            async for i, k, final in self.runner.progress_all(recs):
+                if final and recs[i].finish == "drop":
+                    await drop_connection(request)
+                out = _output(recs[i], k, caps[i], final)
+                if batch:
+                    out["index"] = i
+                # Text and output_ids are cumulative in every chunk (SGLang's default).
+                await resp.write(b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except BaseException:
+            for rec in recs:
+                self.runner.engine.abort(rec)
+            raise
+
+
+def _output(rec: RequestRecord, tokens: int, cap: int, final: bool) -> dict:
+    # /generate returns the raw text, thinking inline, whatever the reasoning parser.
+    end = rec.finished if final and rec.finished is not None else time.time()
+    return {"text": inline_text(tokens, rec.reasoning_target), "output_ids": output_ids(tokens, rec.reasoning_target),
+            "meta_info": {"id": rec.rid, "finish_reason": finish_json(rec, cap) if final else None,
+                          "prompt_tokens": rec.prompt_tokens, "completion_tokens": tokens, "cached_tokens": 0,
+                          "reasoning_tokens": min(tokens, rec.reasoning_target), "e2e_latency": end - rec.arrived}}

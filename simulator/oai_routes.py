@@ -1,0 +1,245 @@
+"""POST /v1/chat/completions and /v1/completions with SGLang's shapes (see SGLANG_API.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from simulator.faults import ERROR_TYPES
+from simulator.model import RequestRecord, SimSettings
+from simulator.runner import MATCHED_STOP, BadRequest, Item, Runner, drop_connection, open_sse, opt_int
+from simulator.texts import content_text, estimate_tokens, inline_text, separated
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def oai_error(exc: BadRequest) -> web.Response:
+    # SGLang's OpenAI-compatible error body is flat, not OpenAI's nested envelope.
+    body = {"object": "error", "message": exc.message, "type": ERROR_TYPES.get(exc.status, "BadRequestError"),
+            "param": None, "code": exc.status}
+    return web.json_response(body, status=exc.status)
+
+
+async def oai_body(request: web.Request) -> dict:
+    if request.content_type != "application/json":
+        raise BadRequest(f"Content-Type must be application/json, got {request.content_type!r}")
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def _usage(recs: list[RequestRecord]) -> dict:
+    prompt = sum(r.prompt_tokens for r in recs)
+    completion = sum(r.completion_tokens for r in recs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "reasoning_tokens": sum(min(r.completion_tokens, r.reasoning_target) for r in recs),
+            "prompt_tokens_details": None}
+
+
+def _matched(rec: RequestRecord) -> int | None:
+    return MATCHED_STOP if rec.finish == "stop" else None
+
+
+class OpenAIRoutes:
+    def __init__(self, settings: SimSettings, runner: Runner) -> None:
+        self.s = settings
+        self.runner = runner
+
+    def _model(self, body: dict) -> str:
+        return str(body.get("model") or self.s.model)
+
+    # --- chat -----------------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await oai_body(request)
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("messages must be a non-empty list")
+            try:
+                text = "".join(content_text(m.get("content")) for m in messages)
+            except (AttributeError, ValueError) as exc:
+                raise BadRequest(f"invalid messages: {exc}") from exc
+            max_tokens = opt_int(body, "max_completion_tokens", "max_tokens")
+            kwargs = body.get("chat_template_kwargs") or {}
+            thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+            separate = bool(self.s.reasoning_parser) and body.get("separate_reasoning", True) is not False
+            if (err := self.runner.injected_error()) is not None:
+                raise err
+            item = Item(_rid(body), estimate_tokens(text), max_tokens, "chat", thinking=thinking)
+            self.runner.check_context(item)
+            [rec] = await self.runner.start([item])
+        except BadRequest as exc:
+            return oai_error(exc)
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._chat_stream(request, rec, self._model(body), separate, include_usage)
+        await self.runner.wait_all([rec], request)
+        reasoning, content = _chat_texts(rec, rec.completion_tokens, separate)
+        return web.json_response({
+            "id": rec.rid, "object": "chat.completion", "created": int(time.time()), "model": self._model(body),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content,
+                                                  "reasoning_content": reasoning, "tool_calls": None},
+                         "logprobs": None, "finish_reason": _FINISH[rec.finish], "matched_stop": _matched(rec)}],
+            "usage": _usage([rec]),
+        })
+
+    async def _chat_stream(self, request: web.Request, rec: RequestRecord, model: str, separate: bool,
+                           include_usage: bool) -> web.StreamResponse:
+        created = int(time.time())
+
+        def chunk(delta: dict, finish: str | None = None, matched: int | None = None) -> bytes:
+            return _sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                      "matched_stop": matched}], "usage": None})
+
+        try:
+            resp = await open_sse(request)
+            await resp.write(chunk({"role": "assistant", "content": "", "reasoning_content": None,
+                                    "tool_calls": None}))
+            sent_r, sent_c = "", ""
+            async for k, final in self.runner.progress(rec):
+                if final and rec.finish == "drop":
+                    await drop_connection(request)
+                reasoning, content = _chat_texts(rec, k, separate)
+                reasoning = reasoning or ""
+                d_r, d_c = reasoning[len(sent_r):], content[len(sent_c):]
+                if d_r or d_c:
+                    await resp.write(chunk({"role": None, "content": d_c or None, "reasoning_content": d_r or None,
+                                            "tool_calls": None}))
+                    sent_r, sent_c = reasoning, content
+            await resp.write(chunk({"role": None, "content": None, "reasoning_content": None, "tool_calls": None},
+                                   _FINISH[rec.finish], _matched(rec)))
+            if include_usage:
+                await resp.write(_sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created,
+                                       "model": model, "choices": [], "usage": _usage([rec])}))
+            await resp.write(DONE_EVENT)
+            await resp.write_eof()
+            return resp
+        except BaseException:
+            self.runner.engine.abort(rec)   # the client went away mid-stream: SGLang aborts
+            raise
+
+    # --- completions ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await oai_body(request)
+            prompts = _prompts(body.get("prompt"))
+            max_tokens = opt_int(body, "max_tokens")
+            max_tokens = 16 if max_tokens is None else max_tokens
+            rids = _rids(body.get("rid"), len(prompts))
+            if (err := self.runner.injected_error()) is not None:
+                raise err
+            items = []
+            for prompt, rid in zip(prompts, rids, strict=True):
+                if isinstance(prompt, list):
+                    item = Item(rid, len(prompt), max_tokens, "completions", input_ids_head=prompt[:8])
+                else:
+                    item = Item(rid, estimate_tokens(prompt), max_tokens, "completions")
+                self.runner.check_context(item)
+                items.append(item)
+            recs = await self.runner.start(items)
+        except BadRequest as exc:
+            return oai_error(exc)
+        model = self._model(body)
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._completions_stream(request, recs, model, include_usage)
+        await self.runner.wait_all(recs, request)
+        return web.json_response({
+            "id": recs[0].rid if len(recs) == 1 else uuid.uuid4().hex, "object": "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": inline_text(r.completion_tokens, r.reasoning_target), "logprobs": None,
+                         "finish_reason": _FINISH[r.finish], "matched_stop": _matched(r)} for i, r in enumerate(recs)],
+            "usage": _usage(recs),
+        })
+
+    async def _completions_stream(self, request: web.Request, recs: list[RequestRecord], model: str,
+                                  include_usage: bool) -> web.StreamResponse:
+        created = int(time.time())
+        cid = recs[0].rid if len(recs) == 1 else uuid.uuid4().hex
+
+        def chunk(i: int, text: str, finish: str | None = None, matched: int | None = None) -> bytes:
+            return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish,
+                                      "matched_stop": matched}], "usage": None})
+
+        try:
+            resp = await open_sse(request)
+            sent = [""] * len(recs)
+            async for i, k, final in self.runner.progress_all(recs):
+                rec = recs[i]
+                if final and rec.finish == "drop":
+                    await drop_connection(request)
+                text = inline_text(k, rec.reasoning_target)
+                delta, sent[i] = text[len(sent[i]):], text
+                if final:
+                    await resp.write(chunk(i, delta, _FINISH[rec.finish], _matched(rec)))
+                elif delta:
+                    await resp.write(chunk(i, delta))
+            if include_usage:
+                await resp.write(_sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                       "choices": [], "usage": _usage(recs)}))
+            await resp.write(DONE_EVENT)
+            await resp.write_eof()
+            return resp
+        except BaseException:
+            for rec in recs:
+                self.runner.engine.abort(rec)
+            raise
+
+
+def _chat_texts(rec: RequestRecord, tokens: int, separate: bool) -> tuple[str | None, str]:
+    if separate:
+        return separated(tokens, rec.reasoning_target)
+    return None, inline_text(tokens, rec.reasoning_target)
+
+
+def _rid(body: dict) -> str | None:
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest(f"rid must be a string, got {rid!r}")
+    return rid or None
+
+
+def _rids(rid: object, n: int) -> list[str | None]:
+    """One rid per prompt: a list as given, or a string (suffixed -i when there are several prompts)."""
+    if rid is None:
+        return [None] * n
+    if isinstance(rid, list):
+        if len(rid) != n or not all(isinstance(r, str) for r in rid):
+            raise BadRequest(f"rid must be a list of {n} strings (one per prompt), got {rid!r}")
+        return rid
+    if isinstance(rid, str):
+        return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+    raise BadRequest(f"rid must be a string or a list of strings, got {rid!r}")
+
+
+def _prompts(prompt: object) -> list[str | list[int]]:
+    """/v1/completions ``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [prompt]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return list(prompt)
+    raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of such lists")

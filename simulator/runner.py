@@ -1,0 +1,204 @@
+"""The path every generation request takes, whatever the endpoint: faults, checks, engine, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from simulator.faults import ERROR_MESSAGES, FaultInjector
+from simulator.lengths import LengthModel
+from simulator.model import DONE, Engine, RequestRecord, SimSettings
+
+MATCHED_STOP = 2   # the EOS id the simulated model "stops" on
+
+
+class BadRequest(Exception):
+    """Invalid input: 400 (SGLang answers validation errors with 400, not 422)."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "validation") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+@dataclass
+class Item:
+    """One prompt to generate for (a /generate batch has several)."""
+
+    rid: str | None
+    prompt_tokens: int
+    max_new_tokens: int | None     # None: up to the context length (chat without max_tokens)
+    endpoint: str
+    input_ids_head: list[int] | None = None
+    thinking: bool = True           # chat_template_kwargs.enable_thinking=false turns it off
+
+
+class Runner:
+    """Checks, fault dice and engine calls shared by /generate and the OpenAI routes."""
+
+    def __init__(self, settings: SimSettings, engine: Engine, faults: FaultInjector) -> None:
+        self.s = settings
+        self.engine = engine
+        self.faults = faults
+        self.lengths = LengthModel(settings.seed, settings.length_mean, settings.length_sigma, settings.length_means)
+        self._ticker = Ticker(settings.stream_interval_s)
+
+    def injected_error(self) -> BadRequest | None:
+        code = self.faults.error_status()
+        if code is None:
+            return None
+        return BadRequest(ERROR_MESSAGES.get(code, f"simulated error {code}"), status=code, kind="injected")
+
+    def check_context(self, item: Item) -> None:
+        """SGLang's two context checks, with its messages (the second uses >=, as SGLang does)."""
+        ctx = self.faults.faults.context_length
+        n = item.prompt_tokens
+        if n >= ctx:
+            self.faults.count("context_length")
+            raise BadRequest(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).",
+                             kind="context_length")
+        m = item.max_new_tokens
+        if m is not None and n + m >= ctx:
+            self.faults.count("context_length")
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+                f"a total of {n + m} tokens: {n} tokens from the input messages and {m} tokens for the completion. "
+                f"Please reduce the number of tokens in the input messages or the completion to fit within the "
+                f"limit.", kind="context_length")
+
+    async def start(self, items: list[Item], drop: bool = True) -> list[RequestRecord]:
+        """Latency spike, overload check, then queue every item in the engine."""
+        spike = self.faults.spike_s()
+        if spike:
+            await asyncio.sleep(spike)
+        limit = self.s.max_queued_requests
+        if limit is not None and self.engine.queued + len(items) > limit:
+            self.faults.count("overload")
+            raise BadRequest("The request queue is full.", status=503, kind="overload")
+        recs = []
+        for i, item in enumerate(items):
+            cap = item.max_new_tokens
+            if cap is None:
+                cap = self.faults.faults.context_length - item.prompt_tokens
+            wanted = self.lengths.draw(item.rid)
+            target = min(wanted, cap)
+            frac = self.s.reasoning_tokens_frac if item.thinking else 0.0
+            rec = RequestRecord(item.rid or uuid.uuid4().hex, item.prompt_tokens, target,
+                                "length" if wanted >= cap else "stop", item.endpoint, item.input_ids_head,
+                                round(frac * wanted))
+            # One connection per HTTP request: a drop is rolled once and cuts the first item.
+            drop_at = self.faults.drop_at(target) if drop and i == 0 else None
+            recs.append(self.engine.submit(rec, drop_at))
+        return recs
+
+    async def wait_all(self, recs: list[RequestRecord], request: web.Request) -> None:
+        """Until all are done. A disconnect cancels us and aborts them; a drop cuts the connection."""
+        try:
+            for rec in recs:
+                await self.engine.wait(rec)
+                if rec.finish == "drop":
+                    await drop_connection(request)
+        except BaseException:
+            for rec in recs:
+                self.engine.abort(rec)
+            raise
+
+    async def progress(self, rec: RequestRecord) -> AsyncIterator[tuple[int, bool]]:
+        """(tokens, final) as ``rec`` grows, at most one every stream interval; the final one last."""
+        last = -1
+        loop = asyncio.get_running_loop()
+        while rec.state != DONE:
+            rec.waiter = loop.create_future()   # resolved by the next tick, or by the engine when rec ends
+            self._ticker.add(rec.waiter)
+            await rec.waiter
+            if rec.state == DONE:
+                break
+            k = self.engine.tokens_now(rec)
+            if k != last:
+                last = k
+                yield k, False
+        yield rec.completion_tokens, True
+
+    async def progress_all(self, recs: list[RequestRecord]) -> AsyncIterator[tuple[int, int, bool]]:
+        """(index, tokens, final) over several requests (a streamed batch), as they come."""
+        if len(recs) == 1:
+            async for k, final in self.progress(recs[0]):
+                yield 0, k, final
+            return
+        queue: asyncio.Queue[tuple[int, int, bool]] = asyncio.Queue()
+
+        async def pump(i: int, rec: RequestRecord) -> None:
+            async for k, final in self.progress(rec):
+                queue.put_nowait((i, k, final))
+
+        tasks = [asyncio.create_task(pump(i, rec)) for i, rec in enumerate(recs)]
+        left = len(recs)
+        try:
+            while left:
+                event = await queue.get()
+                left -= event[2]
+                yield event
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+class Ticker:
+    """One timer for every stream: each interval it wakes all streams waiting for their next chunk."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._waiters: list[asyncio.Future] = []
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, waiter: asyncio.Future) -> None:
+        self._waiters.append(waiter)
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+
+async def drop_connection(request: web.Request) -> None:
+    """Close the TCP connection without an HTTP response; the server then cancels this handler."""
+    if request.transport is not None:
+        request.transport.abort()
+    await asyncio.sleep(60)
+    raise ConnectionResetError("connection dropped by the simulator")
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+def opt_int(body: dict, *names: str, minimum: int = 0) -> int | None:
+    """The first of ``names`` that is set, checked to be an integer >= minimum; None if none is."""
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise BadRequest(f"{name} must be an integer >= {minimum}, got {value!r}")
+        return value
+    return None
+
+
+def finish_json(rec: RequestRecord, max_new_tokens: int | None) -> dict:
+    """/generate's finish_reason object."""
+    if rec.finish == "abort":
+        return {"type": "abort", "message": rec.abort_message}
+    if rec.finish == "length":
+        return {"type": "length", "length": max_new_tokens if max_new_tokens is not None else rec.completion_tokens}
+    return {"type": "stop", "matched": MATCHED_STOP}
