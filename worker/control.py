@@ -34,6 +34,7 @@ class Control:
         self._gates: dict[str, asyncio.Lock] = {}
         self._room: dict[str, asyncio.Event] = {}
         self._samples: dict[str, int] = {}
+        self.round_trips = 0
 
     # -- what the feeder and job tasks ask ----------------------------------------------
     def claimable(self) -> list[str]:
@@ -88,6 +89,7 @@ class Control:
         from worker.jobflow import Phase
 
         names = sorted(n.decode() for n in await self.w.aconn.smembers(keys.DATASETS))
+        self.round_trips += 2
         sending: dict[str, list] = {}
         for t in self.w.jobs.values():
             if t.phase is Phase.SENDING:

@@ -75,6 +75,9 @@ class ConcurrentWorker:
         self.length = LengthModel()
         self.control = Control(self)
         self.processed = 0
+        # Redis round trips outside the batcher (bookkeeping, heartbeats, control, status);
+        # with batcher.round_trips, the orchestration cost per prompt (bench/orchestration.py).
+        self.other_round_trips = 0
         self.outcomes: Counter[str] = Counter()
         self.endings: list[rq_adapter.Ending] = []
         self.stat_incr: Counter[tuple[str, str]] = Counter()
@@ -84,6 +87,10 @@ class ConcurrentWorker:
         self._rotation = 0
         # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="bq-rq")
+
+    @property
+    def round_trips(self) -> int:
+        return self.batch.round_trips + self.other_round_trips + self.control.round_trips
 
     @property
     def in_flight_peak(self) -> int:
@@ -168,6 +175,7 @@ class ConcurrentWorker:
 
     async def _heartbeat(self) -> None:
         leases = [(t.ds, t.claimed.member, t.claimed.job_id) for t in self.jobs.values()]
+        self.other_round_trips += 1
         await self.sync(rq_adapter.heartbeat, self.conn, self.rq_worker, leases, self.ttl)
 
     async def _maintain(self) -> None:
@@ -188,6 +196,7 @@ class ConcurrentWorker:
 
     def _write(self, endings: list[rq_adapter.Ending], incr: Counter) -> None:
         rq_adapter.record(self.conn, endings, self.name)
+        self.other_round_trips += 2 + bool(incr)
         if incr:
             with self.conn.pipeline(transaction=False) as pipe:
                 for (ds, field), n in incr.items():
@@ -199,7 +208,9 @@ class ConcurrentWorker:
         """This worker's line in `budgetq status`: in flight, processed, endpoints' health."""
         fields = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
                   "concurrency": self.concurrency, "in_flight": self.slots.held, "claimed": len(self.jobs),
-                  "processed": self.processed, "endpoints": json.dumps(self.client.pool.snapshot())}
+                  "processed": self.processed, "endpoints": json.dumps(self.client.pool.snapshot()),
+                  "round_trips": self.round_trips}
+        self.other_round_trips += 1
         async with self.aconn.pipeline(transaction=False) as p:
             p.hset(keys.worker_key(self.name), mapping=fields)
             p.expire(keys.worker_key(self.name), self.ttl * 2)
@@ -257,8 +268,9 @@ class ConcurrentWorker:
                 t.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await self._close(session)
-        log.info("worker %s: exited after %d jobs (%s; peak %d in flight)", self.name, self.processed,
-                 ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())) or "none", self.in_flight_peak)
+        log.info("worker %s: exited after %d jobs (%s; peak %d in flight; %d redis round trips)", self.name,
+                 self.processed, ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())) or "none",
+                 self.in_flight_peak, self.round_trips)
         return 0
 
     async def _close(self, session: aiohttp.ClientSession) -> None:
