@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 import subprocess
 
 import pytest
@@ -41,7 +42,7 @@ def test_generate_mode_sends_the_templated_input_ids(tmp_path, redis_url, conn, 
     for row in out:
         msgs = row["conversations"][:-1]
         want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, enable_thinking=False)
-        want = want["input_ids"] if isinstance(want, dict) else want
+        want = want["input_ids"] if isinstance(want, Mapping) else want
         rec = by_rid[f"D-{row['id']}"]
         assert rec["endpoint"] == "generate"
         assert rec["input_ids_head"] == list(want[:8]) and rec["prompt_tokens"] == len(want)
