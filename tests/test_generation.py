@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 import subprocess
+from collections.abc import Mapping
 
 import pytest
 from transformers import AutoTokenizer
