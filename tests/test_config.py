@@ -78,3 +78,25 @@ def test_missing_file_and_bad_yaml_are_clear(tmp_path):
         load_config(tmp_path / "nope.yaml", env={})
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(_write(tmp_path, "a: [1,\n"), env={})
+
+
+def test_example_config_names_every_field_of_the_model():
+    from pydantic import BaseModel
+
+    from shared.config import Config
+
+    text = (ROOT / "examples" / "budgetq.yaml").read_text()
+
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():
+            if f"{name}:" not in text:
+                missing.append(prefix + name)
+            ann = field.annotation
+            inner = getattr(ann, "__args__", (ann,))
+            for t in inner:
+                if isinstance(t, type) and issubclass(t, BaseModel):
+                    missing += walk(t, f"{prefix}{name}.")
+        return missing
+
+    assert walk(Config, "") == []
