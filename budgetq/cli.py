@@ -207,11 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (BudgetqError, FileNotFoundError) as exc:
-        print(f"budgetq: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, str(exc))
     except REDIS_DOWN as exc:
-        print(f"budgetq: error: cannot reach Redis: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, f"cannot reach Redis: {exc}")
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    """A clear one-line error (a JSON log line with --log-format json), exit status 2."""
+    if args.log_format == "json":
+        logging.getLogger("budgetq").error(message)
+    else:
+        print(f"budgetq: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
