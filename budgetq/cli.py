@@ -54,10 +54,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
     def stop(signum: int, _frame: object) -> None:
         # Everything lives in Redis and the output files: stopping loses nothing, a new
-        # `budgetq produce` continues. Finish writing what has been collected first.
+        # `budgetq produce` continues. Finish writing what has been collected first; a
+        # second signal stops at once.
+        if producer.stop_requested:
+            raise KeyboardInterrupt
         producer.stop_requested = True
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     progress = ProgressReporter(cfg, producer.conn)
     try:
         rows = producer.run(on_tick=lambda _p: progress.update())
