@@ -8,7 +8,7 @@ import time
 from aiohttp import web
 
 from simulator.model import RequestRecord, SimSettings
-from simulator.runner import BadRequest, Item, Runner, drop_connection, finish_json, open_sse, opt_int
+from simulator.runner import BadRequest, Item, Runner, drop_connection, finish_json, json_object, open_sse, opt_int
 from simulator.texts import estimate_tokens, inline_text, output_ids
 
 
@@ -57,12 +57,7 @@ class NativeRoutes:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            try:
-                body = await request.json()
-            except ValueError as exc:
-                raise BadRequest(f"invalid JSON body: {exc}") from exc
-            if not isinstance(body, dict):
-                raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+            body = await json_object(request)
             inputs, batch = _inputs(body)
             n = len(inputs)
             rids = _per_item(body.get("rid"), n, "rid", str)

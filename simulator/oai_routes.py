@@ -11,7 +11,7 @@ from aiohttp import web
 
 from simulator.faults import ERROR_TYPES
 from simulator.model import RequestRecord, SimSettings
-from simulator.runner import MATCHED_STOP, BadRequest, Item, Runner, drop_connection, open_sse, opt_int
+from simulator.runner import MATCHED_STOP, BadRequest, Item, Runner, drop_connection, json_object, open_sse, opt_int
 from simulator.texts import content_text, estimate_tokens, inline_text, separated
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -27,13 +27,7 @@ def oai_error(exc: BadRequest) -> web.Response:
 async def oai_body(request: web.Request) -> dict:
     if request.content_type != "application/json":
         raise BadRequest(f"Content-Type must be application/json, got {request.content_type!r}")
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise BadRequest(f"invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-    return body
+    return await json_object(request)
 
 
 def _sse(obj: Any) -> bytes:

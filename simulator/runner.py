@@ -26,6 +26,17 @@ class BadRequest(Exception):
         self.kind = kind
 
 
+async def json_object(request: web.Request) -> dict:
+    """The request's JSON body, which must be an object (SGLang answers 400 otherwise)."""
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 @dataclass
 class Item:
     """One prompt to generate for (a /generate batch has several)."""

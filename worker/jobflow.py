@@ -107,20 +107,25 @@ async def _reserve(w: ConcurrentWorker, t: Tracked) -> Reservation:
     return await retry_redis(lambda: w.batch(call), f"reserve {t.claimed.job_id}")
 
 
+async def _try_reserve(w: ConcurrentWorker, t: Tracked) -> Reservation:
+    """Take a server slot and ask for a reservation; the slot is kept only if admitted."""
+    await w.slots.acquire()
+    try:
+        res = await _reserve(w, t)
+    except BaseException:
+        w.slots.release()
+        raise
+    if res.status is not Admission.ADMIT:
+        w.slots.release()
+    return res
+
+
 async def _admit(w: ConcurrentWorker, t: Tracked) -> Reservation:
     """A non-WAIT reservation; holds a server slot when it is ADMIT."""
     while True:
         if w.control.is_waiting(t.ds):
             return await _admit_parked(w, t)
-        await w.slots.acquire()
-        try:
-            res = await _reserve(w, t)
-        except BaseException:
-            w.slots.release()
-            raise
-        if res.status is Admission.ADMIT:
-            return res
-        w.slots.release()
+        res = await _try_reserve(w, t)
         if res.status is not Admission.WAIT:
             return res
         w.control.mark_waiting(t.ds)
@@ -134,18 +139,10 @@ async def _admit_parked(w: ConcurrentWorker, t: Tracked) -> Reservation:
         t.phase = Phase.PENDING
         delay = 0.02
         while True:
-            await w.slots.acquire()
-            try:
-                res = await _reserve(w, t)
-            except BaseException:
-                w.slots.release()
-                raise
+            res = await _try_reserve(w, t)
             if res.status is not Admission.WAIT:
                 w.control.clear_waiting(t.ds)
-                if res.status is not Admission.ADMIT:
-                    w.slots.release()
                 return res
-            w.slots.release()
             t.phase = Phase.PARKED
             await w.control.wait_for_room(t.ds, delay)
             t.phase = Phase.PENDING
