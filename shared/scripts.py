@@ -35,7 +35,7 @@ class _Script:
 
 
 SCRIPTS: dict[str, _Script] = {n: _Script(n) for n in (
-    "reserve", "commit", "release", "adjust", "withdraw", "adopt", "claim", "requeue")}
+    "reserve", "commit", "release", "adjust", "withdraw", "adopt", "claim", "requeue", "finish")}
 
 
 @dataclass(frozen=True)

@@ -16,23 +16,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rq.job import Job
-from rq.utils import now
-
 from shared import budget, jobs
 from shared.budget import Admission, Outcome, Reservation
 from shared.errors import BadResponseError, FatalRequestError, RetryableRequestError
 from shared.jobs import Claimed
 from shared.retry import retry_redis
 from shared.schema import JobPayload
-from worker import rq_adapter
 from worker.process import build_row, estimate_prompt_tokens
 
 if TYPE_CHECKING:
     from worker.runner import ConcurrentWorker
 
 log = logging.getLogger("budgetq.worker")
-End = rq_adapter.End
 
 
 class Phase(enum.Enum):
@@ -47,10 +42,9 @@ class Tracked:
     claimed: Claimed
     ds: str
     phase: Phase = Phase.PENDING
-    job: Job | None = None
     payload: JobPayload | None = None
     task: asyncio.Task | None = None
-    started_at: object = field(default_factory=now)
+    started_at: float = field(default_factory=time.time)
     admitted_at: float = 0.0
     reserved: int = 0
     prompt_tokens: int = 0
@@ -68,25 +62,19 @@ class Tracked:
 async def run_job(w: ConcurrentWorker, t: Tracked) -> None:
     try:
         try:
-            t.job = rq_adapter.restore(w.conn, t.claimed)
-            t.payload = JobPayload.model_validate(t.job.args[0])
+            t.payload = JobPayload.model_validate(t.claimed.payload())
         except Exception as exc:  # a bad payload fails this prompt only
             log.warning("job %s: unreadable payload: %s", t.claimed.job_id, exc)
-            if t.job is None:
-                t.job = Job(t.claimed.job_id, connection=w.conn)
-            w.end(t, End.FAILED, reason=f"unreadable job payload: {exc}")
-            w.count(t.ds, "failed")
+            await w.end(t, "failed", error=f"unreadable job payload: {exc}", stat="failed")
             return
         t.prompt_tokens = estimate_prompt_tokens(t.payload)
         res = await _admit(w, t)
         if res.status is Admission.ADMIT:
             await _send(w, t, res)
         elif res.status is Admission.DONE:
-            w.end(t, End.FINISHED, {"status": "already_done"})
-            w.count(t.ds, "already_done")
+            await w.end(t, "finished", {"status": "already_done"}, stat="already_done")
         elif res.status is Admission.EXHAUSTED:
-            w.end(t, End.SKIPPED, {"status": "skipped"}, reason="budget exhausted")
-            w.count(t.ds, "skipped")
+            await w.end(t, "canceled", skipped="budget exhausted", stat="skipped")
         elif res.status is Admission.PAUSED:
             w.control.mark_paused(t.ds)
             await _requeue(w, t)
@@ -95,8 +83,7 @@ async def run_job(w: ConcurrentWorker, t: Tracked) -> None:
     except Exception as exc:  # noqa: BLE001 - a bug must fail one job, never the worker
         log.exception("job %s: unexpected error", t.claimed.job_id)
         if await asyncio.shield(_release(w, t)) is Released.YES:
-            w.end(t, End.FAILED, reason=f"{type(exc).__name__}: {exc}")
-            w.count(t.ds, "failed")
+            await w.end(t, "failed", error=f"{type(exc).__name__}: {exc}", stat="failed")
     finally:
         w.jobs.pop(t.claimed.member, None)
         w.wake.set()
@@ -160,8 +147,7 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
     except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:
         log.warning("job %s failed: %s", job_id, exc)
         if await _release(w, t) is Released.YES:
-            w.end(t, End.FAILED, reason=str(exc))
-            w.count(t.ds, "failed")
+            await w.end(t, "failed", error=str(exc), stat="failed")
         return
     t.phase = Phase.COMMITTING
     w.length.observe(out.completion_tokens, out.latency_s)
@@ -169,15 +155,14 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
     call = budget.commit(t.ds, job_id, out.prompt_tokens, out.completion_tokens, out.finish_reason, row)
     outcome = await retry_redis(lambda: w.batch(call), f"commit {job_id}")
     w.control.room_freed(t.ds)
-    if outcome.kept:
-        w.end(t, End.FINISHED, {"status": outcome.value.lower(), "completion_tokens": out.completion_tokens})
-    elif outcome is Outcome.DUPLICATE:
-        w.end(t, End.FINISHED, {"status": "duplicate"})
-    else:  # REJECTED: its admission was withdrawn while it ran
-        w.end(t, End.SKIPPED, {"status": "rejected"}, reason="admission withdrawn before the result arrived")
-        w.count(t.ds, "skipped")
     if outcome is Outcome.CROSSED:
         w.control.budget_crossed(t.ds)
+    if outcome.kept:
+        await w.end(t, "finished", {"status": outcome.value.lower(), "completion_tokens": out.completion_tokens})
+    elif outcome is Outcome.DUPLICATE:
+        await w.end(t, "finished", {"status": "duplicate"})
+    else:  # REJECTED: its admission was withdrawn while it ran
+        await w.end(t, "canceled", skipped="admission withdrawn before the result arrived", stat="skipped")
 
 
 class Released(enum.Enum):
@@ -195,7 +180,7 @@ async def _release(w: ConcurrentWorker, t: Tracked, generated: int = 0) -> Relea
                     t.claimed.job_id)
         return Released.NOT_OURS
     if n == -2:
-        w.end(t, End.FINISHED, {"status": "already_done"})
+        await w.end(t, "finished", {"status": "already_done"}, stat="already_done")
         return Released.ALREADY_DONE
     return Released.YES
 
@@ -209,7 +194,7 @@ async def _requeue(w: ConcurrentWorker, t: Tracked) -> None:
 async def _on_cancel(w: ConcurrentWorker, t: Tracked) -> None:
     reason = t.abort_reason or "shutdown"
     try:
-        if reason == "shutdown" or t.job is None:
+        if reason == "shutdown" or t.payload is None:
             await _requeue(w, t)  # the maintenance pass would do it too, a lease later
             return
         # The budget was crossed or the operator withdrew admissions: this request is dropped.
@@ -217,7 +202,6 @@ async def _on_cancel(w: ConcurrentWorker, t: Tracked) -> None:
         if t.phase is Phase.SENDING:
             generated = int(w.length.generated_so_far(time.monotonic() - t.admitted_at))
         if await _release(w, t, generated) is Released.YES:
-            w.end(t, End.SKIPPED, {"status": "aborted"}, reason=f"aborted in flight: {reason}")
-            w.count(t.ds, "aborted")
+            await w.end(t, "canceled", skipped=f"aborted in flight: {reason}", stat="aborted")
     except Exception as exc:  # noqa: BLE001 - Redis gone: the lease will expire and it is requeued
         log.warning("job %s: could not settle after cancel (%s): %s", t.claimed.job_id, reason, exc)

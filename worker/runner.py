@@ -27,7 +27,7 @@ from shared import jobs, keys
 from shared.config import Config
 from shared.maintenance import Maintenance
 from shared.redis_conn import aconnect, connect
-from shared.retry import REDIS_DOWN
+from shared.retry import REDIS_DOWN, retry_redis
 from shared.scripts import Batcher
 from worker import rq_adapter
 from worker.control import Control
@@ -37,7 +37,7 @@ from worker.sglang_client import SGLangClient
 
 log = logging.getLogger("budgetq.worker")
 CLAIM_BATCH = 64
-FLUSH_INTERVAL_S = 0.02
+FLUSH_INTERVAL_S = 0.5
 
 
 class _Slots(asyncio.Semaphore):
@@ -79,7 +79,6 @@ class ConcurrentWorker:
         # with batcher.round_trips, the orchestration cost per prompt (bench/orchestration.py).
         self.other_round_trips = 0
         self.outcomes: Counter[str] = Counter()
-        self.endings: list[rq_adapter.Ending] = []
         self.stat_incr: Counter[tuple[str, str]] = Counter()
         self.stopping = asyncio.Event()
         self.forced = False
@@ -103,9 +102,18 @@ class ConcurrentWorker:
     def count(self, ds: str, field: str, by: int = 1) -> None:
         self.stat_incr[(ds, field)] += by
 
-    def end(self, t: Tracked, kind: rq_adapter.End, result: dict | None = None, reason: str = "") -> None:
-        self.endings.append(rq_adapter.Ending(kind, t.job, t.ds, t.claimed.execution_id, t.started_at, result, reason))
-        self.outcomes[(result or {}).get("status", kind.value)] += 1
+    async def end(self, t: Tracked, status: str, result: dict | None = None, *, error: str = "",
+                  skipped: str = "", stat: str = "") -> bool:
+        """Record how a job ended (RQ status finished, failed or canceled) and count it; one
+        script call, coalesced with the others of this loop turn. False if we no longer hold
+        the job (its lease ran out and it was requeued): its new holder records it."""
+        call = jobs.finish(t.ds, t.claimed, status, t.started_at, self.name, result=result, error=error,
+                           skipped=skipped, stat=stat)
+        recorded = await retry_redis(lambda: self.batch(call), f"finish {t.claimed.job_id}", give_up_after_s=60)
+        if recorded:
+            self.processed += 1
+            self.outcomes[(result or {}).get("status", status)] += 1
+        return recorded
 
     # -- signals -------------------------------------------------------------------------
     def _on_signal(self, signame: str) -> None:
@@ -182,27 +190,19 @@ class ConcurrentWorker:
         await self.sync(self.maintenance.run_once)
 
     async def flush(self) -> None:
-        """Record job endings and stats counters (one round trip for many jobs)."""
-        if not self.endings and not self.stat_incr:
+        """Write the stats counters gathered outside job endings (retries)."""
+        if not self.stat_incr:
             return
-        endings, self.endings = self.endings, []
         incr, self.stat_incr = self.stat_incr, Counter()
         try:
-            await self.sync(self._write, endings, incr)
-        except BaseException:
-            self.endings[:0] = endings  # keep them for the next try
-            self.stat_incr.update(incr)
-            raise
-
-    def _write(self, endings: list[rq_adapter.Ending], incr: Counter) -> None:
-        rq_adapter.record(self.conn, endings, self.name)
-        self.other_round_trips += 2 + bool(incr)
-        if incr:
-            with self.conn.pipeline(transaction=False) as pipe:
+            async with self.aconn.pipeline(transaction=False) as p:
                 for (ds, field), n in incr.items():
-                    pipe.hincrby(keys.stats_key(ds), field, n)
-                pipe.execute()
-        self.processed += len(endings)
+                    p.hincrby(keys.stats_key(ds), field, n)
+                await p.execute()
+            self.other_round_trips += 1
+        except BaseException:
+            self.stat_incr.update(incr)  # keep them for the next try
+            raise
 
     async def _publish(self) -> None:
         """This worker's line in `budgetq status`: in flight, processed, endpoints' health."""
@@ -257,7 +257,7 @@ class ConcurrentWorker:
             self._every(self.cfg.worker.control_interval_s, self.control.tick, "control"),
             self._every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat"),
             self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
-            self._every(FLUSH_INTERVAL_S, self.flush, "bookkeeping"),
+            self._every(FLUSH_INTERVAL_S, self.flush, "stats"),
             self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
         )]
         try:
@@ -280,8 +280,8 @@ class ConcurrentWorker:
                 break
             except REDIS_DOWN as exc:
                 if attempt == 19:
-                    log.error("worker %s: could not record %d job endings: %s (their leases will expire and "
-                              "the maintenance pass will requeue them)", self.name, len(self.endings), exc)
+                    log.error("worker %s: could not record %d stats counters: %s", self.name,
+                              sum(self.stat_incr.values()), exc)
                 await asyncio.sleep(0.5)
         try:
             await self.sync(self.rq_worker.register_death)
