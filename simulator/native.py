@@ -8,8 +8,8 @@ import time
 from aiohttp import web
 
 from simulator.model import RequestRecord, SimSettings
-from simulator.runner import BadRequest, Item, Runner, drop_connection, finish_json, json_object, open_sse, opt_int
-from simulator.texts import estimate_tokens, inline_text, output_ids
+from simulator.runner import BadRequest, Runner, drop_connection, finish_json, json_object, open_sse, opt_int
+from simulator.texts import inline_text, output_ids
 
 
 def native_error(exc: BadRequest) -> web.Response:
@@ -70,12 +70,7 @@ class NativeRoutes:
             for inp, rid, sp in zip(inputs, rids, sps, strict=True):
                 cap = opt_int(sp or {}, "max_new_tokens")
                 cap = 128 if cap is None else cap
-                if isinstance(inp, list):
-                    item = Item(rid, len(inp), cap, "generate", input_ids_head=inp[:8])
-                else:
-                    item = Item(rid, estimate_tokens(inp), cap, "generate")
-                self.runner.check_context(item)
-                items.append(item)
+                items.append(self.runner.prompt_item(rid, inp, cap, "generate"))
                 caps.append(cap)
             recs = await self.runner.start(items)
         except BadRequest as exc:

@@ -142,12 +142,7 @@ class OpenAIRoutes:
                 raise err
             items = []
             for prompt, rid in zip(prompts, rids, strict=True):
-                if isinstance(prompt, list):
-                    item = Item(rid, len(prompt), max_tokens, "completions", input_ids_head=prompt[:8])
-                else:
-                    item = Item(rid, estimate_tokens(prompt), max_tokens, "completions")
-                self.runner.check_context(item)
-                items.append(item)
+                items.append(self.runner.prompt_item(rid, prompt, max_tokens, "completions"))
             recs = await self.runner.start(items)
         except BadRequest as exc:
             return oai_error(exc)

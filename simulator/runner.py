@@ -12,6 +12,7 @@ from aiohttp import web
 from simulator.faults import ERROR_MESSAGES, FaultInjector
 from simulator.lengths import LengthModel
 from simulator.model import DONE, Engine, RequestRecord, SimSettings
+from simulator.texts import estimate_tokens
 
 MATCHED_STOP = 2   # the EOS id the simulated model "stops" on
 
@@ -64,6 +65,15 @@ class Runner:
         if code is None:
             return None
         return BadRequest(ERROR_MESSAGES.get(code, f"simulated error {code}"), status=code, kind="injected")
+
+    def prompt_item(self, rid: str | None, prompt: str | list[int], cap: int | None, endpoint: str) -> Item:
+        """An Item for a text prompt or a list of token ids, after SGLang's context checks."""
+        if isinstance(prompt, list):
+            item = Item(rid, len(prompt), cap, endpoint, input_ids_head=prompt[:8])
+        else:
+            item = Item(rid, estimate_tokens(prompt), cap, endpoint)
+        self.check_context(item)
+        return item
 
     def check_context(self, item: Item) -> None:
         """SGLang's two context checks, with its messages (the second uses >=, as SGLang does)."""

@@ -151,3 +151,16 @@ def holders(conn: redis.Redis, ds: str, pid: int) -> set[str]:
         if f"-{pid}-" in name.decode():
             held.add(job_id)
     return held
+
+
+def run_to_completion(cfg: Path, log_dir: Path, workers: int = 1, timeout_s: float = 120) -> Procs:
+    """Workers and a producer on ``cfg`` until the producer exits 0; everything stopped after."""
+    procs = Procs(cfg, log_dir)
+    for _ in range(workers):
+        procs.worker()
+    try:
+        producer = procs.producer()
+        assert producer.wait(timeout_s) == 0, Procs.log(producer)
+    finally:
+        procs.stop_all()
+    return procs

@@ -15,7 +15,7 @@ from shared import keys
 from shared.budget import register_dataset
 from shared.config import DatasetConfig
 from shared.schema import JobPayload, Message
-from tests.helpers import PY, ROOT, Procs, check_invariants, sim_get, write_config, write_dataset
+from tests.helpers import PY, ROOT, check_invariants, run_to_completion, sim_get, write_config, write_dataset
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 RETRY = {"backoff_base_s": 0.02, "backoff_max_s": 0.2, "max_attempts": 12, "eject_after_failures": 50}
@@ -34,12 +34,7 @@ def test_transient_faults_are_retried_and_the_run_completes(tmp_path, redis_url,
                                                      "budget": "10M", "id_field": "id",
                                                      "sampling": {"max_tokens": 1000}}],
                        worker={"concurrency": 16, **FAST}, server=RETRY)
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        assert procs.producer().wait(120) == 0
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path, timeout_s=120)
     stats = sim_get(sim, "/sim/stats")
     injected = sum(n for kind, n in stats["errors"].items() if kind.isdigit()) + stats["dropped"]
     retried = int(conn.hget(keys.stats_key("D"), "retried") or 0)
@@ -63,12 +58,7 @@ def test_permanent_error_fails_the_prompt_with_the_servers_reason_and_retry_fail
     cfg = write_config(tmp_path, redis_url, [sim], [{"name": "D", "path": str(path), "budget": "10M",
                                                      "id_field": "id", "sampling": {"max_tokens": 32}}],
                        worker={"concurrency": 8, **FAST}, server=RETRY)
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        assert procs.producer().wait(60) == 0
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path, timeout_s=60)
     failed = _failed(conn, "D")
     assert sorted(failed.get_job_ids(cleanup=False)) == ["D-long0", "D-long1", "D-long2"]
     job = failed.job_class.fetch("D-long0", connection=conn, serializer=JSONSerializer)

@@ -8,7 +8,18 @@ import time
 
 from shared import keys
 from shared.budget import dataset_state
-from tests.helpers import PY, ROOT, Procs, check_invariants, rows, sim_get, wait_for, write_config, write_dataset
+from tests.helpers import (
+    PY,
+    ROOT,
+    Procs,
+    check_invariants,
+    rows,
+    run_to_completion,
+    sim_get,
+    wait_for,
+    write_config,
+    write_dataset,
+)
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 
@@ -108,12 +119,7 @@ def test_keep_complete_sets_truncated_rows_aside(tmp_path, redis_url, conn, sim_
     cfg = write_config(tmp_path, redis_url, [sim], [{"name": "D", "path": str(tmp_path / "D.jsonl"),
                                                      "budget": "1M", "id_field": "id", "keep": "complete",
                                                      "sampling": {"max_tokens": 120}}], worker=FAST)
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        assert procs.producer().wait(60) == 0
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path, timeout_s=60)
     kept = rows(tmp_path / "out" / "D.jsonl")
     cut = rows(tmp_path / "out" / "D.truncated.jsonl")
     assert cut and all(r["finish_reason"] == "length" for r in cut)
@@ -132,12 +138,7 @@ def test_reconcile_after_flushing_redis_reproduces_the_counters(tmp_path, redis_
         specs.append({"name": d, "path": str(tmp_path / f"{d}.jsonl"), "budget": "6k", "id_field": "id",
                       "count": count, "keep": "complete", "sampling": {"max_tokens": 150}})
     cfg = write_config(tmp_path, redis_url, [sim], specs, worker=FAST)
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        assert procs.producer().wait(60) == 0
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path, timeout_s=60)
     before = {d: (_used(conn, d), conn.smembers(keys.done_key(d))) for d in ids}
     conn.flushall()  # our private server: Redis "lost" everything
     out = _cli(cfg, "reconcile", "--json")
