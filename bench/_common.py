@@ -31,7 +31,9 @@ import yaml  # noqa: E402
 from budgetq.localhost import LocalRedis, free_port, wait_http  # noqa: E402
 
 CLI = [sys.executable, "-m", "budgetq.cli"]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+# The checkout first; a PYTHONPATH given by the caller stays behind it (e.g. to try an extra package).
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           PYTHONUNBUFFERED="1")
 EXIT_LINE = re.compile(r"exited after (\d+) jobs \((.*); peak (\d+) in flight; (\d+) redis round trips\)")
 
 

@@ -55,7 +55,7 @@ class Outcome:
     policy: str
     in_flight: int
     sim_running: float      # median requests running at the simulator during the run's middle
-    worker_peak: int
+    worker_peak: int | str
     ds: str
     budget: int
     used: int
@@ -169,7 +169,11 @@ def run_once(stack: c.Stack, sim: c.Sim, s: Settings, policy: str, n: int) -> li
     records = sim.records()
     conn = stack.conn()
     out = []
-    peak = c.worker_exit(c.log_text(worker)).peak_in_flight
+    try:
+        peak: int | str = c.worker_exit(c.log_text(worker)).peak_in_flight
+    except RuntimeError:  # the worker did not log its exit line: say so, keep the run's numbers
+        print(f"  warning: worker exit line missing; log tail:\n{c.log_text(worker)[-1500:]}", flush=True)
+        peak = "?"
     first_90 = min(crossing_times([r for r in records if r["finish"] not in ("abort", "drop")], 2 * s.budget,
                                   (0.9,)))
     middle = [k for t, k in sampler.samples if t <= first_90] or [0]
@@ -230,7 +234,7 @@ def main(argv: list[str]) -> None:
     finally:
         stack.close()
         sim.close()
-    print(c.md_table(HEADERS, [o.row() for o in results]))
+        print(c.md_table(HEADERS, [o.row() for o in results]))  # what was measured, even if a run failed
 
 
 if __name__ == "__main__":
