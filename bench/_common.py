@@ -64,8 +64,15 @@ def machine_facts() -> dict[str, str]:
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "python": platform.python_version(),
         "redis-server": next((w.split("=", 1)[1] for w in server if w.startswith("v=")), "?"),
-        "redis-py": redis.__version__, "rq": rq.__version__, "aiohttp": aiohttp.__version__,
+        "redis-py": redis.__version__, "hiredis parser": "yes" if _has("hiredis") else "no",
+        "rq": rq.__version__, "aiohttp": aiohttp.__version__,
     }
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def print_header(title: str, argv: Sequence[str]) -> None:
@@ -124,6 +131,17 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine so far (/proc/stat); busy excludes idle and iowait."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Share of all cores' time spent busy between two ``cpu_ticks()`` readings."""
+    return (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:

@@ -48,6 +48,7 @@ class Settings:
     concurrencies: tuple[int, ...]
     control_interval_s: float
     policies: tuple[str, ...] = POLICIES
+    workers: int = 1
 
 
 @dataclass
@@ -60,7 +61,6 @@ class Outcome:
     budget: int
     used: int
     generated: int          # the simulator's tokens for this dataset
-    aborted_tokens: int
     tail_s: float           # wall seconds from 95% of the budget to done
     ideal_s: float          # wall seconds the last 5% takes at the steady rate
     speedup: float
@@ -80,7 +80,7 @@ class Outcome:
 
     def row(self) -> list[object]:
         return [self.policy, self.in_flight, self.sim_running, self.worker_peak, self.ds, format_tokens(self.budget),
-                self.used, self.used / self.budget, self.used - self.budget, self.generated, self.waste,
+                self.used, f"{self.used / self.budget:.5f}", self.used - self.budget, self.generated, self.waste,
                 f"{100 * self.waste / max(1, self.generated):.2f}%", *self._tail_cells(), self.target()]
 
     def _tail_cells(self) -> list[object]:
@@ -91,7 +91,7 @@ class Outcome:
                 self.tail_s / ideal if ideal else "-"]
 
 
-HEADERS = ["policy", "in flight", "sim running (median)", "worker peak", "dataset", "budget", "final used",
+HEADERS = ["policy", "in flight", "sim running (median)", "worker peak (sum)", "dataset", "budget", "final used",
            "used/budget", "used - budget", "sim generated", "waste tokens", "waste %", "95%->done wall s",
            "95%->done sim s", "ideal sim s", "ratio to ideal", "target"]
 
@@ -130,60 +130,83 @@ def crossing_times(kept: list[dict], budget: int, fractions: tuple[float, ...]) 
     return out
 
 
-def analyse(ds: str, budget: int, used: int, records: list[dict], kept_ids: set[str]) -> tuple[int, int, float, float]:
-    """(generated, aborted tokens, wall s 95%->done, ideal wall s) of one dataset from the simulator's records."""
+def analyse(ds: str, budget: int, records: list[dict], kept_ids: set[str]) -> tuple[int, float, float]:
+    """(generated tokens, wall s 95%->done, ideal wall s) of one dataset from the simulator's records."""
     mine = [r for r in records if r["rid"].startswith(f"{ds}-")]
     kept = [r for r in mine if r["rid"].removeprefix(f"{ds}-") in kept_ids]
     generated = sum(r["completion_tokens"] for r in mine)
-    aborted = sum(r["completion_tokens"] for r in mine if r["finish"] in ("abort", "drop"))
     t80, t90, t95 = crossing_times(kept, budget, (0.80, 0.90, 0.95))
     done = max(r["finished"] for r in mine)
     rate = 0.10 * budget / max(1e-6, t90 - t80)
-    return generated, aborted, done - t95, 0.05 * budget / rate
+    return generated, done - t95, 0.05 * budget / rate
 
 
-def run_once(stack: c.Stack, sim: c.Sim, s: Settings, policy: str, n: int) -> list[Outcome]:
-    stack.flush()
-    sim.reset()
+def in_flight_median(samples: list[tuple[float, int]], records: list[dict], total_budget: int, n: int) -> float:
+    """Median running at the simulator from ramp-up until 90% of all budgets were kept (the tail left out)."""
+    finished = [r for r in records if r["finish"] not in ("abort", "drop")]
+    until = crossing_times(finished, total_budget, (0.9,))[0]
+    middle = [k for t, k in samples if not until < t] or [0]
+    ramped = next((i for i, k in enumerate(middle) if k >= 0.9 * min(n, 256)), 0)
+    return statistics.median(middle[ramped:])
+
+
+def worker_peak(workers: list) -> int | str:
+    """Sum of the workers' peaks in flight (their exit lines), or "?" if one did not log its exit."""
+    try:
+        return sum(c.worker_exit(c.log_text(w)).peak_in_flight for w in workers)
+    except RuntimeError:  # keep the run's numbers; say what went wrong
+        print("  warning: a worker's exit line is missing; log tails:\n"
+              + "\n".join(c.log_text(w)[-1000:] for w in workers), flush=True)
+        return "?"
+
+
+def write_config(stack: c.Stack, sim: c.Sim, s: Settings, policy: str, n: int) -> c.Path:
     datasets = []
     for ds, mean in MEANS.items():
         path = stack.dir / f"{ds}.jsonl"
-        if not path.exists():
+        if not path.exists():  # the same prompts, so the same lengths, in every run
             c.write_prompts(path, rows_needed(s.budget, mean))
         datasets.append(c.dataset(ds, path, s.budget, mode=policy, max_tokens=MAX_TOKENS, prior=mean))
-    cfg = stack.config(sim.url, datasets, worker={"concurrency": n, "control_interval_s": s.control_interval_s},
-                       producer={"progress": "off"})
-    sampler = Sampler(sim)
-    sampler.start()
-    worker = stack.worker(cfg, n, f"worker-{policy}-{n}")
-    producer = stack.producer(cfg, f"producer-{policy}-{n}")
+    worker = {"concurrency": n, "control_interval_s": s.control_interval_s, "grace_s": 5}
+    return stack.config(sim.url, datasets, worker=worker, producer={"progress": "off"})
+
+
+def run_pipeline(stack: c.Stack, cfg: c.Path, s: Settings, name: str, n: int) -> list:
+    """Workers and producer until the producer has seen every dataset complete; returns the workers."""
+    workers = [stack.worker(cfg, n // s.workers, f"worker-{name}-{i}") for i in range(s.workers)]
+    producer = stack.producer(cfg, f"producer-{name}")
     try:
         rc = producer.wait(3600)
         if rc != 0:
             raise RuntimeError(f"producer exited with {rc}:\n{c.log_text(producer)[-3000:]}")
     finally:
         c.stop(producer)
-        c.stop(worker)
+        for w in workers:
+            c.stop(w)
+    return workers
+
+
+def run_once(stack: c.Stack, sim: c.Sim, s: Settings, policy: str, n: int) -> list[Outcome]:
+    stack.flush()
+    sim.reset()
+    cfg = write_config(stack, sim, s, policy, n)
+    sampler = Sampler(sim)
+    sampler.start()
+    try:
+        workers = run_pipeline(stack, cfg, s, f"{policy}-{n}", n)
+    finally:
         sampler.done.set()
     sim.wait_idle()
     records = sim.records()
+    peak = worker_peak(workers)
+    running = in_flight_median(sampler.samples, records, s.budget * len(MEANS), n)
     conn = stack.conn()
     out = []
-    try:
-        peak: int | str = c.worker_exit(c.log_text(worker)).peak_in_flight
-    except RuntimeError:  # the worker did not log its exit line: say so, keep the run's numbers
-        print(f"  warning: worker exit line missing; log tail:\n{c.log_text(worker)[-1500:]}", flush=True)
-        peak = "?"
-    first_90 = min(crossing_times([r for r in records if r["finish"] not in ("abort", "drop")], 2 * s.budget,
-                                  (0.9,)))
-    middle = [k for t, k in sampler.samples if t <= first_90] or [0]
-    ramped = [k for k in middle if k >= 0.9 * min(n, 256)]
-    running = statistics.median(middle[middle.index(ramped[0]):] if ramped else middle)
     for ds in MEANS:
         used = int(conn.get(keys.used_key(ds)) or 0)
         kept_ids = {json.loads(line)["id"] for line in (stack.dir / "out" / f"{ds}.jsonl").read_text().splitlines()}
-        generated, aborted, tail, ideal = analyse(ds, s.budget, used, records, kept_ids)
-        out.append(Outcome(policy, n, running, peak, ds, s.budget, used, generated, aborted, tail, ideal, s.speedup))
+        generated, tail, ideal = analyse(ds, s.budget, records, kept_ids)
+        out.append(Outcome(policy, n, running, peak, ds, s.budget, used, generated, tail, ideal, s.speedup))
     return out
 
 
@@ -195,7 +218,7 @@ def settings(args: argparse.Namespace) -> Settings:
     else:
         budget, speedup, inflight = "10M", 20.0, (32, 128, 256)
     return Settings(parse_tokens(args.budget or budget), args.speedup or speedup, tuple(args.in_flight or inflight),
-                    args.control_interval_s, tuple(args.policy or POLICIES))
+                    args.control_interval_s, tuple(args.policy or POLICIES), args.workers)
 
 
 def main(argv: list[str]) -> None:
@@ -206,6 +229,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--speedup", type=float, help="simulator speed-up (default 20)")
     ap.add_argument("--in-flight", type=int, action="append", help="only this in-flight level (repeatable)")
     ap.add_argument("--policy", choices=POLICIES, action="append", help="only this policy (repeatable)")
+    ap.add_argument("--workers", type=int, default=1, help="split the in-flight level over this many processes")
     ap.add_argument("--control-interval-s", type=float, default=0.1,
                     help="worker.control_interval_s (default 0.1: ~0.5 s at real speed scaled by the speed-up, "
                          "bounded so the worker's refresh stays cheap)")
@@ -217,7 +241,7 @@ def main(argv: list[str]) -> None:
     for ds, mean in MEANS.items():
         sim_flags += ["--length-mean-for", f"{ds}-={mean}"]
     print(f"simulator: budgetq sim {' '.join(sim_flags)}")
-    print(f"budget {format_tokens(s.budget)} per dataset; one worker process; "
+    print(f"budget {format_tokens(s.budget)} per dataset; {s.workers} worker process(es); "
           f"worker.control_interval_s {s.control_interval_s}\n", flush=True)
     sim = c.Sim(*sim_flags)
     stack = c.Stack.start()

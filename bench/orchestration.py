@@ -144,7 +144,7 @@ def main(argv: list[str]) -> None:
         stack.close()
         sim.close()
     heads = ["worker", "concurrency", "jobs", "seconds", "prompts/s", "ratio vs 1,000/s target", "ratio vs stock rq",
-             "round trips/prompt (worker's count)", "redis socket reads/prompt", "redis commands/prompt",
+             "round trips/prompt (worker's count)", "redis socket reads/prompt", "redis commands/prompt (incl. in Lua)",
              "worker CPU ms/prompt", "redis CPU ms/prompt", "sim CPU ms/prompt"]
     print(c.md_table(heads, [row(r, stock.rate) for r in [*runs, stock]]))
     print()

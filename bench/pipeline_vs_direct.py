@@ -165,7 +165,7 @@ def main(argv: list[str]) -> None:
                     print(f"  {n} in flight, {kind}: {w.tok_s:,.0f} tok/s, {w.mean_running:.1f} running", flush=True)
             tok = {k: sum(w.tokens for w in ws) / sum(w.seconds for w in ws) for k, ws in got.items()}
             ratio = tok["pipeline"] / tok["direct"]
-            summary.append([n, tok["direct"], tok["pipeline"], ratio, "met" if ratio >= 0.99 else "missed"])
+            summary.append([n, tok["direct"], tok["pipeline"], f"{ratio:.4f}", "met" if ratio >= 0.99 else "missed"])
     finally:
         stack.close()
         sim.close()

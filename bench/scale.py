@@ -38,6 +38,7 @@ class Point:
     tok_s: float
     running: float
     queued: float
+    cpu_busy: float          # share of the machine's cores busy during the window
 
 
 @dataclass
@@ -83,14 +84,14 @@ def measure(stack: c.Stack, sim: c.Sim, sc: Scenario, k: int, data: c.Path) -> P
     conn = stack.conn()
     try:
         wait_ramp(sim, conn, sc, k * PER_WORKER, procs)
-        s0, n0, t0 = sim.stats(), committed(conn), time.monotonic()
+        s0, n0, t0, cpu0 = sim.stats(), committed(conn), time.monotonic(), c.cpu_ticks()
         running, queued = [], []
         while time.monotonic() - t0 < sc.window_s:
             time.sleep(0.25)
             st = sim.stats()
             running.append(st["running"])
             queued.append(st["queued"])
-        s1, n1, t1 = sim.stats(), committed(conn), time.monotonic()
+        s1, n1, t1, cpu1 = sim.stats(), committed(conn), time.monotonic(), c.cpu_ticks()
         if any(p.poll() is not None for p in procs):
             raise RuntimeError(f"{sc.name}: a process ended during the window (too few prompts?)")
     finally:
@@ -99,7 +100,7 @@ def measure(stack: c.Stack, sim: c.Sim, sc: Scenario, k: int, data: c.Path) -> P
     sim.wait_idle()
     dt = t1 - t0
     return Point(k, (n1 - n0) / dt, (s1["generated_tokens"] - s0["generated_tokens"]) / dt,
-                 sum(running) / len(running), sum(queued) / len(queued))
+                 sum(running) / len(running), sum(queued) / len(queued), c.busy_share(cpu0, cpu1))
 
 
 def table(sc: Scenario, points: list[Point]) -> str:
@@ -109,11 +110,12 @@ def table(sc: Scenario, points: list[Point]) -> str:
         model = 0.0 if sc.instant else sc.model_tok_s(in_flight)
         rows.append([p.processes, in_flight, p.running, p.queued, p.prompts_s, p.prompts_s / p.processes, p.tok_s,
                      model or "-", p.tok_s / model if model else "-",
-                     p.prompts_s / prev.prompts_s if prev else 1.0, "yes" if saturated(sc, p) else "no"])
+                     p.prompts_s / prev.prompts_s if prev else 1.0, f"{100 * p.cpu_busy:.0f}%",
+                     "yes" if saturated(sc, p) else "no"])
         prev = p
     return c.md_table(["processes", "in flight", "sim running (mean)", "sim queued (mean)", "prompts/s",
                        "prompts/s per process", "tok/s", "model tok/s", "ratio to model",
-                       "ratio to previous row", "sim saturated"], rows)
+                       "ratio to previous row", "machine CPU busy", "sim saturated"], rows)
 
 
 def saturated(sc: Scenario, p: Point) -> bool:
