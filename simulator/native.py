@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from aiohttp import web
 
 from simulator.model import RequestRecord, SimSettings
-from simulator.runner import BadRequest, Runner, drop_connection, finish_json, json_object, open_sse, opt_int
+from simulator.runner import (
+    BadRequest,
+    Runner,
+    close_sse,
+    drop_connection,
+    finish_json,
+    json_object,
+    open_sse,
+    opt_int,
+    sse,
+)
 from simulator.texts import inline_text, output_ids
 
 
@@ -83,7 +92,7 @@ class NativeRoutes:
 
     async def _stream(self, request: web.Request, recs: list[RequestRecord], caps: list[int],
                       batch: bool) -> web.StreamResponse:
-        try:
+        with self.runner.aborting(recs):
             resp = await open_sse(request)
             async for i, k, final in self.runner.progress_all(recs):
                 if final and recs[i].finish == "drop":
@@ -92,14 +101,8 @@ class NativeRoutes:
                 if batch:
                     out["index"] = i
                 # Text and output_ids are cumulative in every chunk (SGLang's default).
-                await resp.write(b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        except BaseException:
-            for rec in recs:
-                self.runner.engine.abort(rec)
-            raise
+                await resp.write(sse(out))
+            return await close_sse(resp)
 
 
 def _output(rec: RequestRecord, tokens: int, cap: int, final: bool) -> dict:

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 
 from simulator.faults import ERROR_TYPES
 from simulator.model import RequestRecord, SimSettings
-from simulator.runner import MATCHED_STOP, BadRequest, Item, Runner, drop_connection, json_object, open_sse, opt_int
+from simulator.runner import (
+    MATCHED_STOP,
+    BadRequest,
+    Item,
+    Runner,
+    close_sse,
+    drop_connection,
+    json_object,
+    open_sse,
+    opt_int,
+    sse,
+)
 from simulator.texts import content_text, estimate_tokens, inline_text, separated
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -30,11 +39,6 @@ async def oai_body(request: web.Request) -> dict:
     return await json_object(request)
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def _usage(recs: list[RequestRecord]) -> dict:
@@ -98,11 +102,11 @@ class OpenAIRoutes:
         created = int(time.time())
 
         def chunk(delta: dict, finish: str | None = None, matched: int | None = None) -> bytes:
-            return _sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            return sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
                                       "matched_stop": matched}], "usage": None})
 
-        try:
+        with self.runner.aborting([rec]):
             resp = await open_sse(request)
             await resp.write(chunk({"role": "assistant", "content": "", "reasoning_content": None,
                                     "tool_calls": None}))
@@ -120,14 +124,9 @@ class OpenAIRoutes:
             await resp.write(chunk({"role": None, "content": None, "reasoning_content": None, "tool_calls": None},
                                    _FINISH[rec.finish], _matched(rec)))
             if include_usage:
-                await resp.write(_sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": model, "choices": [], "usage": _usage([rec])}))
-            await resp.write(DONE_EVENT)
-            await resp.write_eof()
-            return resp
-        except BaseException:
-            self.runner.engine.abort(rec)   # the client went away mid-stream: SGLang aborts
-            raise
+                await resp.write(sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created,
+                                      "model": model, "choices": [], "usage": _usage([rec])}))
+            return await close_sse(resp)
 
     # --- completions ----------------------------------------------------------------------------
 
@@ -165,11 +164,11 @@ class OpenAIRoutes:
         cid = recs[0].rid if len(recs) == 1 else uuid.uuid4().hex
 
         def chunk(i: int, text: str, finish: str | None = None, matched: int | None = None) -> bytes:
-            return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+            return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                          "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish,
                                       "matched_stop": matched}], "usage": None})
 
-        try:
+        with self.runner.aborting(recs):
             resp = await open_sse(request)
             sent = [""] * len(recs)
             async for i, k, final in self.runner.progress_all(recs):
@@ -183,15 +182,9 @@ class OpenAIRoutes:
                 elif delta:
                     await resp.write(chunk(i, delta))
             if include_usage:
-                await resp.write(_sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                       "choices": [], "usage": _usage(recs)}))
-            await resp.write(DONE_EVENT)
-            await resp.write_eof()
-            return resp
-        except BaseException:
-            for rec in recs:
-                self.runner.engine.abort(rec)
-            raise
+                await resp.write(sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                      "choices": [], "usage": _usage(recs)}))
+            return await close_sse(resp)
 
 
 def _chat_texts(rec: RequestRecord, tokens: int, separate: bool) -> tuple[str | None, str]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -117,17 +120,24 @@ class Runner:
             recs.append(self.engine.submit(rec, drop_at))
         return recs
 
-    async def wait_all(self, recs: list[RequestRecord], request: web.Request) -> None:
-        """Until all are done. A disconnect cancels us and aborts them; a drop cuts the connection."""
+    @contextlib.contextmanager
+    def aborting(self, recs: list[RequestRecord]) -> Iterator[None]:
+        """Abort ``recs`` if the block fails: a client disconnect cancels the handler, and SGLang
+        then aborts the request, so the simulator stops generating too."""
         try:
-            for rec in recs:
-                await self.engine.wait(rec)
-                if rec.finish == "drop":
-                    await drop_connection(request)
+            yield
         except BaseException:
             for rec in recs:
                 self.engine.abort(rec)
             raise
+
+    async def wait_all(self, recs: list[RequestRecord], request: web.Request) -> None:
+        """Until all are done. A disconnect cancels us and aborts them; a drop cuts the connection."""
+        with self.aborting(recs):
+            for rec in recs:
+                await self.engine.wait(rec)
+                if rec.finish == "drop":
+                    await drop_connection(request)
 
     async def progress(self, rec: RequestRecord) -> AsyncIterator[tuple[int, bool]]:
         """(tokens, final) as ``rec`` grows, at most one every stream interval; the final one last."""
@@ -196,6 +206,20 @@ async def drop_connection(request: web.Request) -> None:
         request.transport.abort()
     await asyncio.sleep(60)
     raise ConnectionResetError("connection dropped by the simulator")
+
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def close_sse(resp: web.StreamResponse) -> web.StreamResponse:
+    await resp.write(DONE_EVENT)
+    await resp.write_eof()
+    return resp
 
 
 async def open_sse(request: web.Request) -> web.StreamResponse:
