@@ -152,9 +152,13 @@ def test_redis_restarted_mid_run(tmp_path, sim_factory):
         workers = [procs.worker() for _ in range(2)]
         try:
             wait_for(lambda: int(conn.get(keys.used_key("D")) or 0) > 5000, 60, "the run to get going")
+            run_id = conn.info("server")["run_id"]
             server.kill()  # crash: AOF (fsync every second) keeps what was written
-            time.sleep(2.0)
+            # longer than redis-py's own retries (~5 s): budgetq's loops must wait it out, and
+            # longer than the 2 s lease: jobs in flight are recovered after the restart
+            time.sleep(10.0)
             server.start()
+            assert conn.info("server")["run_id"] != run_id
             assert producer.wait(180) == 0, procs.log(producer)
             for w in workers:
                 assert w.poll() is None, "a worker died with Redis"
