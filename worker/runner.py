@@ -1,10 +1,11 @@
 """The concurrent worker: many RQ jobs in flight in one asyncio process.
 
 Jobs are claimed in batches (claim.lua: queue -> started registry, atomically), each job
-runs as a task (worker/jobflow.py), and budget script calls from all tasks are coalesced
-into pipelines (shared.scripts.Batcher). Blocking RQ bookkeeping runs in a small thread
-pool, batched too. Background loops: control (budgets, pauses, aborts, reservation
-refresh, this worker's status), lease heartbeats, maintenance, and the RQ bookkeeping flush.
+runs as a task (worker/jobflow.py), and every script call of all tasks (reserve, commit,
+release, finish in RQ's layout) is coalesced into pipelines (shared.scripts.Batcher).
+The few blocking calls (RQ worker registration, lease heartbeats, maintenance) run in a
+small thread pool. Background loops: control (budgets, pauses, aborts, reservation
+refresh), this worker's status, lease heartbeats, maintenance, and stats counters.
 """
 
 from __future__ import annotations
