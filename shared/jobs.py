@@ -25,7 +25,8 @@ from shared.scripts import ScriptCall
 
 RESULT_TTL_S = 500             # finished jobs, like RQ's default
 KEEP_S = 7 * 86400             # failed and skipped jobs: retry-failed / a raised budget requeue them
-_REGISTRY = {"finished": "finished", "failed": "failed", "canceled": "canceled"}
+# RQ names each registry after the status of the jobs in it: rq:<status>:<queue>.
+ENDINGS = ("finished", "failed", "canceled")
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,15 @@ def requeue(ds: str, member: str, job_id: str, reason: str = "requeued",
 def finish(ds: str, c: Claimed, status: str, started_at: float, worker_name: str, *,
            result: dict | None = None, error: str = "", skipped: str = "", stat: str = "") -> ScriptCall[bool]:
     """Record a job's end (status finished, failed or canceled); False if we no longer hold it."""
+    if status not in ENDINGS:
+        raise ValueError(f"not a job ending: {status!r} (one of {', '.join(ENDINGS)})")
     now = datetime.now(UTC)
     ttl = RESULT_TTL_S if status == "finished" else KEEP_S
     queue = keys.queue_name(ds)
     result_type = {"finished": 1, "failed": 2}.get(status, 0)
     return ScriptCall(
         "finish",
-        [keys.rq_wip_key(ds), keys.rq_job_key(c.job_id), f"rq:{_REGISTRY[status]}:{queue}",
+        [keys.rq_wip_key(ds), keys.rq_job_key(c.job_id), f"rq:{status}:{queue}",
          f"rq:results:{c.job_id}", keys.stats_key(ds)],
         [c.member, c.job_id, status, utcformat(now), f"{now.timestamp() + ttl:.3f}", ttl, result_type,
          b64encode(json.dumps(result).encode()).decode() if result is not None else "",

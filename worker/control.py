@@ -33,7 +33,6 @@ class Control:
         self._waiting: set[str] = set()
         self._gates: dict[str, asyncio.Lock] = {}
         self._room: dict[str, asyncio.Event] = {}
-        self._samples: dict[str, int] = {}
         self.round_trips = 0
 
     # -- what the feeder and job tasks ask ----------------------------------------------
@@ -108,7 +107,6 @@ class Control:
             states[n] = st
             hist = chunk[budget.STATE_REPLIES]
             self.w.length.set_histogram(n, st.max_tokens, hist)
-            self._samples[n] = sum(int(v) for v in hist.values())
             self._react(st)
             # A request whose admission ticket is gone (budget crossed in another worker,
             # withdrawn by an operator, or its lease lost) can no longer count: drop it.
@@ -135,13 +133,13 @@ class Control:
         from worker.jobflow import Phase
 
         now = time.monotonic()
+        refine = {ds for ds, st in self.states.items()
+                  if st.mode == "soft" and self.w.length.samples(ds) >= MIN_SAMPLES}
         per_ds: dict[str, dict[str, int]] = {}
         for t in self.w.jobs.values():
-            st = self.states.get(t.ds)
-            if t.phase is not Phase.SENDING or st is None or st.mode != "soft":
+            if t.phase is not Phase.SENDING or t.ds not in refine:
                 continue
-            if self._samples.get(t.ds, 0) < MIN_SAMPLES:
-                continue
+            st = self.states[t.ds]
             gen = self.w.length.generated_so_far(now - t.admitted_at)
             want = self.w.length.expected_length(t.ds, gen, t.payload.sampling.max_tokens)
             if st.count == "total":

@@ -28,6 +28,10 @@ class LengthModel:
         counts = {int(k): int(v) for k, v in raw.items()}
         self._hist[ds] = (width, counts)
 
+    def samples(self, ds: str) -> int:
+        """How many completed lengths the dataset's histogram holds."""
+        return sum(self._hist.get(ds, (1, {}))[1].values())
+
     def observe(self, completion_tokens: int, latency_s: float) -> None:
         """Learn the per-request decode rate from a finished request."""
         if completion_tokens < 16 or latency_s <= 0:

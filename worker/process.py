@@ -6,7 +6,7 @@ import asyncio
 import re
 
 from shared import budget
-from shared.budget import Admission, Outcome
+from shared.budget import Admission
 from shared.schema import JobPayload, Message, ResultRow
 from shared.scripts import arun
 from worker.sglang_client import Completion, SGLangClient
@@ -69,6 +69,4 @@ async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) 
     row = build_row(payload, out, client.model)
     outcome = await arun(conn, budget.commit(ds, job_id, out.prompt_tokens, out.completion_tokens,
                                              out.finish_reason, row.model_dump_json()))
-    return {"status": outcome.value.lower(), "kept": outcome in (Outcome.COMMITTED, Outcome.CROSSED,
-                                                                 Outcome.TRUNCATED),
-            "completion_tokens": out.completion_tokens}
+    return {"status": outcome.value.lower(), "kept": outcome.kept, "completion_tokens": out.completion_tokens}
