@@ -1,7 +1,8 @@
 """``budgetq`` subcommands. Parses flags, sets up logging, calls library functions.
 
-Each group of subcommands lives in its own module with a ``register(sub)`` function:
-cli_run (here: produce, worker, budget control, demo), cli_sim, cli_ops, cli_data.
+The run commands live here (produce, worker, budget, pause, resume, retry-failed,
+reconcile, demo); the other groups each have a module with a ``register(sub)`` function:
+cli_sim (sim), cli_ops (status, monitor), cli_data (export).
 """
 
 from __future__ import annotations
