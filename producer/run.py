@@ -30,6 +30,7 @@ from shared.config import Config, DatasetConfig
 from shared.maintenance import Maintenance
 from shared.redis_conn import connect
 from shared.retry import REDIS_DOWN
+from shared.sampling import resolve_datasets
 from shared.schema import JobPayload, safe_job_id
 
 log = logging.getLogger("budgetq.producer")
@@ -72,6 +73,7 @@ class Producer:
         self.cfg = cfg
         self.conn = connect(cfg.redis_url)
         self.feeds: list[Feed] = []
+        resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
         for ds in cfg.datasets:
             register_dataset(self.conn, ds)
             q = Queue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)

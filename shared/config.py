@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from shared.errors import ConfigError
+from shared.sampling import extra_key_errors
 from shared.schema import SamplingParams
 from shared.tokens import parse_tokens
 
@@ -167,6 +168,16 @@ class Config(_Strict):
             if ds.name in seen:
                 raise ValueError(f"datasets: name {ds.name!r} appears twice")
             seen.add(ds.name)
+        return self
+
+    @model_validator(mode="after")
+    def _extra_fits_api(self) -> Config:
+        """sampling.extra goes to SGLang as is: a key its API rejects would fail every prompt,
+        one it ignores would silently do nothing. Caught here, before anything is sent."""
+        errors = [f"dataset {ds.name}: {e}" for ds in self.datasets
+                  for e in extra_key_errors(self.server.api, ds.sampling.extra)]
+        if errors:
+            raise ValueError("; ".join(errors))
         return self
 
     @property

@@ -19,3 +19,11 @@ class RetryableRequestError(BudgetqError):
 
 class BadResponseError(BudgetqError):
     """The server answered with something budgetq cannot read."""
+
+
+class AbortedResponseError(RetryableRequestError):
+    """The server answered, but with an aborted request (finish_reason abort): not a result."""
+
+
+class DuplicateRidError(RetryableRequestError):
+    """The server still holds this rid (SGLang 400 "Duplicate request ID"): retry with a new one."""

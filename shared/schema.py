@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Message(BaseModel):
@@ -16,18 +16,33 @@ class Message(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """Per-dataset sampling; the same model is the config block and the job payload field."""
+    """Per-dataset sampling; the same model is the config block and the job payload field.
+
+    temperature, top_p, top_k, min_p and repetition_penalty left unset (null) are filled by the
+    producer from the model's generation_config.json, else SGLang's defaults, and then sent
+    explicitly on both APIs (shared/sampling.py says why). Ranges are SGLang's
+    ``SamplingParams.verify()``: a value the server would reject fails at config load.
+    """
 
     model_config = ConfigDict(extra="forbid")
     max_tokens: int = Field(default=8192, gt=0)
-    temperature: float = Field(default=0.7, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     stop: list[str] | None = None
-    seed: int | None = None
-    # Anything else SGLang accepts (e.g. repetition_penalty), passed through unchanged.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    # Anything else the chosen API accepts (e.g. min_new_tokens on /generate, min_tokens on
+    # chat), checked against SGLang's own names at config load (shared/sampling.py).
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v < 1:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or at least 1, got {v}")
+        return v
 
 
 class JobPayload(BaseModel):

@@ -9,8 +9,10 @@ from collections.abc import Mapping
 import pytest
 from transformers import AutoTokenizer
 
+from shared.schema import safe_job_id
 from tests.helpers import PY, ROOT, rows, sim_get, write_config, write_dataset
 from tests.tiny_tokenizer import make_tiny_tokenizer
+from worker.sglang_client import job_id_of_rid
 
 
 def _run(cfg) -> None:
@@ -32,18 +34,18 @@ def test_generate_mode_sends_the_templated_input_ids(tmp_path, redis_url, conn, 
         "name": "D", "path": str(tmp_path / "D.jsonl"), "budget": "1M", "id_field": "id",
         "system_prompt": "you are a helpful assistant .", "chat_template_kwargs": {"enable_thinking": False},
         "sampling": {"max_tokens": 100, "temperature": 0.3, "top_k": 20, "seed": 7, "stop": ["</s>"],
-                     "extra": {"repetition_penalty": 1.1}}}],
+                     "repetition_penalty": 1.1, "extra": {"min_new_tokens": 1}}}],
         server={"api": "generate", "tokenizer": tok_path})
     _run(cfg)
     tok = AutoTokenizer.from_pretrained(tok_path)
     out = rows(tmp_path / "out" / "D.jsonl")
     assert len(out) == 10
-    by_rid = {r["rid"]: r for r in sim_get(sim, "/sim/requests")}
+    by_job = {job_id_of_rid(r["rid"]): r for r in sim_get(sim, "/sim/requests")}
     for row in out:
         msgs = row["conversations"][:-1]
         want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, enable_thinking=False)
         want = want["input_ids"] if isinstance(want, Mapping) else want
-        rec = by_rid[f"D-{row['id']}"]
+        rec = by_job[safe_job_id("D", row["id"])]
         assert rec["endpoint"] == "generate"
         assert rec["input_ids_head"] == list(want[:8]) and rec["prompt_tokens"] == len(want)
         assert row["prompt_tokens"] == len(want)  # the server's count of what we sent

@@ -32,7 +32,7 @@ def run_prompt(payload: dict) -> dict:
                 try:
                     return await run_one(JobPayload.model_validate(payload), job_id, conn, client)
                 finally:
-                    await client.pool.close()
+                    await client.close()
         finally:
             await conn.aclose()
 

@@ -141,7 +141,7 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
     job_id = t.claimed.job_id
     try:
         try:
-            out = await w.client.complete(t.payload, rid=job_id)
+            out = await w.client.complete(t.payload, job_id)
         finally:
             w.slots.release()
     except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:

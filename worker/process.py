@@ -61,7 +61,7 @@ async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) 
     if res.status in (Admission.EXHAUSTED, Admission.PAUSED):
         return {"status": "skipped", "reason": res.status.value.lower()}
     try:
-        out = await client.complete(payload, rid=job_id)
+        out = await client.complete(payload, job_id)
     except BaseException:
         # Failure, cancellation or shutdown: give the reservation back before re-raising.
         await asyncio.shield(arun(conn, budget.release(ds, job_id)))

@@ -290,7 +290,7 @@ class ConcurrentWorker:
             await self.aconn.srem(keys.WORKERS, self.name)
         except REDIS_DOWN as exc:
             log.warning("worker %s: could not deregister: %s", self.name, exc)
-        await self.client.pool.close()
+        await self.client.close()
         await session.close()
         await self.aconn.aclose()
         self._pool.shutdown(wait=False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,12 +12,46 @@ from dataclasses import dataclass
 import aiohttp
 
 from shared.config import ServerConfig
-from shared.errors import BadResponseError, FatalRequestError, RetryableRequestError
+from shared.errors import (
+    AbortedResponseError,
+    BadResponseError,
+    DuplicateRidError,
+    FatalRequestError,
+    RetryableRequestError,
+)
 from shared.retry import backoff_s
+from shared.sampling import explicit
 from shared.schema import JobPayload
 from worker.endpoints import Endpoint, EndpointPool
 
+log = logging.getLogger("budgetq.worker")
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+# SGLang keeps a request's rid until it notices the client left (a non-streaming request: at
+# its next state-wait poll, ~4 s); a second request with that rid is a 400 with this text
+# (managers/tokenizer_manager.py). Fresh rids per attempt avoid it; if it still happens (a
+# nonce collision, a router replaying), the request is retried with a new rid.
+_DUPLICATE_RID = "Duplicate request ID"
+# The endings that are a real answer; anything else (abort, or an unknown type) is not kept.
+_KEPT_FINISH = {"stop", "length"}
+# /abort_request is best effort: a short timeout, and its failure changes nothing.
+_ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+RID_SEPARATOR = "."  # RQ job ids never contain it (letters, digits, '_' and '-' only)
+_NONCE_HEX = 12
+
+
+def attempt_rid(job_id: str) -> str:
+    """A fresh SGLang rid for one attempt of a job: ``<job id>.<12 hex>``.
+
+    SGLang aborts by rid *prefix* (scheduler: ``req.rid.startswith(rid)``), on /abort_request
+    and on disconnect. A fixed-width nonce after a separator no job id contains means no rid
+    is ever a prefix of another one (``C-c1.<n>`` cannot start ``C-c10.<n>``), and a retry
+    never reuses an rid the server may still hold.
+    """
+    return f"{job_id}{RID_SEPARATOR}{secrets.token_hex(_NONCE_HEX // 2)}"
+
+
+def job_id_of_rid(rid: str) -> str:
+    return rid.rsplit(RID_SEPARATOR, 1)[0]
 
 
 @dataclass(frozen=True)
@@ -41,20 +77,25 @@ def _error_message(body: object) -> str:
 
 
 def build_request(server: ServerConfig, payload: JobPayload, rid: str) -> tuple[str, dict]:
-    """Path and JSON body of one request, in SGLang's terms."""
+    """Path and JSON body of one request, in SGLang's terms.
+
+    Both APIs get the same explicit sampling (shared/sampling.py: SGLang's chat route would
+    otherwise fill unset fields from the model's generation_config, /generate would not).
+    """
     sp = payload.sampling
-    optional = {k: v for k, v in (("top_k", sp.top_k), ("min_p", sp.min_p), ("stop", sp.stop)) if v is not None}
+    params: dict = dict(explicit(sp))
+    if sp.stop is not None:
+        params["stop"] = sp.stop
     if server.api == "chat":
         body = {"model": server.model, "messages": [m.model_dump() for m in payload.messages],
-                "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-                "rid": rid, "stream": False, **optional}
+                "max_completion_tokens": sp.max_tokens, **params, "rid": rid, "stream": False}
         if sp.seed is not None:
             body["seed"] = sp.seed
         if payload.chat_template_kwargs:
             body["chat_template_kwargs"] = payload.chat_template_kwargs
         body.update(sp.extra)
         return "/v1/chat/completions", body
-    params = {"max_new_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p, **optional}
+    params["max_new_tokens"] = sp.max_tokens
     if sp.seed is not None:
         params["sampling_seed"] = sp.seed
     params.update(sp.extra)
@@ -65,25 +106,54 @@ def build_request(server: ServerConfig, payload: JobPayload, rid: str) -> tuple[
     return "/generate", {"text": text, "rid": rid, "sampling_params": params}
 
 
+def _check_finish(kind: str, detail: dict, url: str) -> None:
+    """A response that did not end in stop/length is not a result: never commit it.
+
+    SGLang answers 200 with ``finish_reason`` abort when a request was aborted without an
+    error status (another request's prefix abort, /abort_request, the server shutting down):
+    the same prompt may succeed again, so it is retried with a fresh rid. An abort that
+    carries a 4xx status is the server refusing the request: it fails with its message.
+    """
+    if kind in _KEPT_FINISH:
+        return
+    message = str(detail.get("message") or f"finish_reason {kind!r}")[:300]
+    status = detail.get("status_code")
+    if kind == "abort" and not (isinstance(status, int) and 400 <= status < 500 and status not in _RETRYABLE_STATUS):
+        raise AbortedResponseError(f"{url}: the server aborted the request: {message}")
+    raise FatalRequestError(f"{url}: the request ended with finish_reason {kind!r}: {message}")
+
+
 def parse_response(api: str, body: dict, url: str, started: float) -> Completion:
     try:
         if api == "chat":
             choice = body["choices"][0]
             usage = body["usage"]
             msg = choice["message"]
-            return Completion(msg.get("content") or "", msg.get("reasoning_content"), int(usage["prompt_tokens"]),
-                              int(usage["completion_tokens"]), str(choice["finish_reason"]), url,
-                              time.monotonic() - started)
-        meta = body["meta_info"]
-        fr = meta["finish_reason"]
-        return Completion(body["text"], None, int(meta["prompt_tokens"]), int(meta["completion_tokens"]),
-                          str(fr.get("type") if isinstance(fr, dict) else fr), url, time.monotonic() - started)
+            kind = str(choice["finish_reason"])
+            out = Completion(msg.get("content") or "", msg.get("reasoning_content"), int(usage["prompt_tokens"]),
+                             int(usage["completion_tokens"]), kind, url, time.monotonic() - started)
+            detail: dict = {}
+        else:
+            meta = body["meta_info"]
+            fr = meta["finish_reason"]
+            detail = fr if isinstance(fr, dict) else {}
+            kind = str(fr.get("type") if isinstance(fr, dict) else fr)
+            out = Completion(body["text"], None, int(meta["prompt_tokens"]), int(meta["completion_tokens"]),
+                             kind, url, time.monotonic() - started)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise BadResponseError(f"unexpected response from {url}: {exc!r}: {str(body)[:300]}") from exc
+    _check_finish(kind, detail, url)
+    return out
 
 
 class SGLangClient:
-    """Sends one prompt to the least-busy healthy endpoint, retrying transient failures."""
+    """Sends one prompt to the least-busy healthy endpoint, retrying transient failures.
+
+    Each attempt has its own rid (``attempt_rid``). When an attempt is given up while the
+    server may still run it (the job was cancelled, the client timed out, the connection
+    dropped), the client also POSTs ``/abort_request`` for that rid: SGLang notices a
+    non-streaming client's disconnect only at its next ~4 s poll and generates until then.
+    """
 
     def __init__(self, session: aiohttp.ClientSession, server: ServerConfig,
                  on_retry: Callable[[str], None] | None = None) -> None:
@@ -95,10 +165,33 @@ class SGLangClient:
         self.pool = EndpointPool(server, session, self._headers)
         self._timeout = aiohttp.ClientTimeout(total=server.timeout_s, sock_connect=server.connect_timeout_s)
         self._on_retry = on_retry
+        self._aborts: set[asyncio.Task] = set()
+        self.aborts_sent = 0
 
     @property
     def model(self) -> str:
         return self._server.model
+
+    async def close(self) -> None:
+        """Let pending /abort_request calls finish (bounded by their timeout), stop health probes."""
+        if self._aborts:
+            await asyncio.wait(list(self._aborts), timeout=_ABORT_TIMEOUT.total)
+        await self.pool.close()
+
+    def _abort_later(self, ep: Endpoint, rid: str) -> None:
+        """Ask the server to stop ``rid`` now, in the background (never blocks a cancellation)."""
+        task = asyncio.get_running_loop().create_task(self._abort(ep, rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, ep: Endpoint, rid: str) -> None:
+        try:
+            async with self._session.post(ep.url + "/abort_request", json={"rid": rid}, headers=self._headers,
+                                          timeout=_ABORT_TIMEOUT) as resp:
+                await resp.read()
+            self.aborts_sent += 1
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("abort of %s at %s failed: %s", rid, ep.url, exc)
 
     async def _once(self, ep: Endpoint, payload: JobPayload, rid: str) -> Completion:
         path, body = build_request(self._server, payload, rid)
@@ -112,23 +205,35 @@ class SGLangClient:
                     data = await resp.json(content_type=None)
                 except ValueError:
                     data = await resp.text()
-                if resp.status in _RETRYABLE_STATUS:
-                    raise RetryableRequestError(f"{ep.url}{path}: HTTP {resp.status}: {_error_message(data)}")
-                if resp.status >= 400:
-                    raise FatalRequestError(f"{ep.url}{path}: HTTP {resp.status}: {_error_message(data)}")
-                if not isinstance(data, dict):
-                    raise BadResponseError(f"{ep.url}{path}: response is not a JSON object: {str(data)[:300]}")
-                return parse_response(self._server.api, data, ep.url, started)
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                return self._read(ep, path, resp.status, data, started)
+        except aiohttp.ClientConnectorError as exc:  # never reached the server: nothing to abort
             raise RetryableRequestError(f"{ep.url}{path}: {type(exc).__name__}: {exc}") from exc
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            self._abort_later(ep, rid)
+            raise RetryableRequestError(f"{ep.url}{path}: {type(exc).__name__}: {exc}") from exc
+        except asyncio.CancelledError:
+            self._abort_later(ep, rid)
+            raise
         finally:
             ep.in_flight -= 1
 
-    async def complete(self, payload: JobPayload, rid: str) -> Completion:
+    def _read(self, ep: Endpoint, path: str, status: int, data: object, started: float) -> Completion:
+        if status in _RETRYABLE_STATUS:
+            raise RetryableRequestError(f"{ep.url}{path}: HTTP {status}: {_error_message(data)}")
+        if status == 400 and _DUPLICATE_RID in _error_message(data):
+            raise DuplicateRidError(f"{ep.url}{path}: HTTP 400: {_error_message(data)}")
+        if status >= 400:
+            raise FatalRequestError(f"{ep.url}{path}: HTTP {status}: {_error_message(data)}")
+        if not isinstance(data, dict):
+            raise BadResponseError(f"{ep.url}{path}: response is not a JSON object: {str(data)[:300]}")
+        return parse_response(self._server.api, data, ep.url, started)
+
+    async def complete(self, payload: JobPayload, job_id: str) -> Completion:
         """Send with retries (exponential backoff + jitter) on transient failures only.
 
         Waiting for an endpoint to come back does not spend attempts: when every endpoint is
-        down the job waits instead of failing.
+        down the job waits instead of failing. A server that answered (a duplicate rid, an
+        aborted response, a 4xx) does not count against its endpoint's health.
         """
         attempt = 0
         while True:
@@ -138,14 +243,20 @@ class SGLangClient:
                 continue
             attempt += 1
             try:
-                out = await self._once(ep, payload, rid)
+                out = await self._once(ep, payload, attempt_rid(job_id))
             except RetryableRequestError as exc:
-                self.pool.failure(ep, str(exc))
+                answered = isinstance(exc, DuplicateRidError | AbortedResponseError)
+                if answered:
+                    self.pool.success(ep)
+                else:
+                    self.pool.failure(ep, str(exc))
                 if attempt >= self._server.max_attempts:
                     raise RetryableRequestError(f"gave up after {attempt} attempts: {exc}") from exc
+                log.info("job %s: attempt %d failed (%s): retrying with a new rid", job_id, attempt, exc)
                 if self._on_retry is not None:
                     self._on_retry(payload.dataset)
-                await asyncio.sleep(backoff_s(attempt, self._server.backoff_base_s, self._server.backoff_max_s))
+                if not isinstance(exc, DuplicateRidError):  # a fresh rid is the whole fix: no wait
+                    await asyncio.sleep(backoff_s(attempt, self._server.backoff_base_s, self._server.backoff_max_s))
                 continue
             except FatalRequestError:
                 self.pool.success(ep)  # the server answered: the endpoint itself is fine

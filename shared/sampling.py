@@ -1,0 +1,137 @@
+"""Sampling parity between SGLang's two APIs, and checked pass-through of ``sampling.extra``.
+
+Why: SGLang's chat route fills the unset ones of temperature, top_p, top_k, min_p and
+repetition_penalty from the model's generation_config.json (``--sampling-defaults model``,
+``ModelConfig.get_default_sampling_params``); ``/generate`` never does. So budgetq sends all
+five explicitly on both APIs, resolved once by the producer in this order: the dataset's
+``sampling`` block, else the model's generation_config.json next to ``server.tokenizer``
+(when budgetq can read it), else SGLang's own neutral default. The same dataset then samples
+the same way in ``chat`` and ``generate`` mode, and out/<ds>.meta.json records the values used.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from shared.schema import SamplingParams
+from shared.sglang_names import CHAT_REQUEST_KEYS, GENERATE_SAMPLING_KEYS, SGLANG_VERSION
+
+log = logging.getLogger("budgetq.sampling")
+
+# SGLang's value when a field is unset and the model gives none (SamplingParams.__post_init__).
+NEUTRAL: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                   "repetition_penalty": 1.0}
+
+# Request keys budgetq sets itself, per API: where each belongs in the config instead.
+_OWNED = {
+    "generate": {"max_new_tokens": "sampling.max_tokens", "temperature": "sampling.temperature",
+                 "top_p": "sampling.top_p", "top_k": "sampling.top_k", "min_p": "sampling.min_p",
+                 "repetition_penalty": "sampling.repetition_penalty", "stop": "sampling.stop",
+                 "sampling_seed": "sampling.seed",
+                 "n": "nothing (budgetq keeps one answer per prompt: n must stay 1)"},
+    "chat": {"max_tokens": "sampling.max_tokens", "max_completion_tokens": "sampling.max_tokens",
+             "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
+             "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
+             "stop": "sampling.stop", "seed": "sampling.seed", "messages": "the dataset's rows",
+             "model": "server.model", "rid": "nothing (budgetq sets a fresh rid per attempt)",
+             "stream": "nothing (budgetq does not stream)", "stream_options": "nothing (budgetq does not stream)",
+             "chat_template_kwargs": "the dataset's chat_template_kwargs",
+             "n": "nothing (budgetq keeps one answer per prompt: n must stay 1)",
+             "input_ids": "nothing (use server.api: generate to send token ids)"},
+}
+# The same option under the other API's (or another tool's) name.
+_RENAMED = {
+    "generate": {"min_tokens": "min_new_tokens", "max_tokens": "sampling.max_tokens",
+                 "max_completion_tokens": "sampling.max_tokens", "seed": "sampling.seed",
+                 "stop_sequences": "sampling.stop"},
+    "chat": {"min_new_tokens": "min_tokens", "max_new_tokens": "sampling.max_tokens",
+             "sampling_seed": "sampling.seed", "stop_sequences": "sampling.stop"},
+}
+_ACCEPTED = {"generate": GENERATE_SAMPLING_KEYS, "chat": CHAT_REQUEST_KEYS}
+_ROUTE = {"generate": "/generate sampling_params", "chat": "/v1/chat/completions"}
+
+
+def extra_key_errors(api: str, extra: dict[str, Any]) -> list[str]:
+    """One message per key of ``sampling.extra`` that SGLang's ``api`` would reject or ignore."""
+    errors = []
+    for key in extra:
+        where = f"sampling.extra.{key}"
+        if key in _OWNED[api]:
+            errors.append(f"{where}: budgetq sets {key!r} itself on server.api {api!r}: use {_OWNED[api][key]}")
+        elif key in _RENAMED[api]:
+            new = _RENAMED[api][key]
+            hint = new if new.startswith("sampling.") else f"sampling.extra.{new}"
+            errors.append(f"{where}: SGLang {SGLANG_VERSION} {_ROUTE[api]} has no {key!r}: use {hint}")
+        elif key not in _ACCEPTED[api]:
+            close = difflib.get_close_matches(key, sorted(_ACCEPTED[api] | set(_OWNED[api])), n=1, cutoff=0.75)
+            hint = ""
+            if close:
+                hint = f" (did you mean {_OWNED[api].get(close[0], 'sampling.extra.' + close[0])}?)"
+            effect = "rejects every request (400)" if api == "generate" else "ignores it silently"
+            errors.append(f"{where}: SGLang {SGLANG_VERSION} {_ROUTE[api]} has no {key!r} and {effect}{hint}")
+    return errors
+
+
+def generation_defaults(tokenizer: str | None) -> tuple[dict[str, Any], str]:
+    """The model's generation_config.json sampling values next to the tokenizer, and where from.
+
+    A local directory is read directly; a hub id goes through transformers (network, cached).
+    Anything unreadable means "no model defaults", with a warning: never a failed run.
+    """
+    if not tokenizer:
+        return {}, ""
+    path = Path(tokenizer) / "generation_config.json"
+    try:
+        if Path(tokenizer).is_dir():
+            if not path.exists():
+                return {}, ""
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            source = str(path)
+        else:
+            from transformers import GenerationConfig
+
+            raw = GenerationConfig.from_pretrained(tokenizer).to_dict()
+            source = f"{tokenizer} generation_config.json"
+    except Exception as exc:  # noqa: BLE001 - missing file, bad JSON, hub unreachable: fall back
+        log.warning("server.tokenizer %r: cannot read generation_config.json (%s): SGLang's neutral "
+                    "sampling defaults are used for unset fields", tokenizer, exc)
+        return {}, ""
+    if not isinstance(raw, dict):
+        return {}, ""
+    found = {k: raw[k] for k in NEUTRAL if raw.get(k) is not None}
+    return found, source
+
+
+def resolve(sp: SamplingParams, model_defaults: dict[str, Any],
+            source: str = "") -> tuple[SamplingParams, dict[str, str]]:
+    """``sp`` with every parity field set, and where each value came from (for the log)."""
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, neutral in NEUTRAL.items():
+        if getattr(sp, key) is not None:
+            values[key], origin[key] = getattr(sp, key), "config"
+        elif key in model_defaults:
+            values[key], origin[key] = model_defaults[key], source or "model generation_config.json"
+        else:
+            values[key], origin[key] = neutral, "SGLang default"
+    return sp.model_copy(update=values), origin
+
+
+def explicit(sp: SamplingParams) -> dict[str, Any]:
+    """The parity fields of ``sp`` with SGLang's neutral default for any left unset (a job
+    enqueued by hand): what the worker sends, on both APIs."""
+    return {k: (getattr(sp, k) if getattr(sp, k) is not None else v) for k, v in NEUTRAL.items()}
+
+
+def resolve_datasets(datasets: list[Any], tokenizer: str | None) -> None:
+    """Resolve every dataset's sampling in place (the producer, once at start) and log where
+    each value came from, so a user sees which model defaults were honoured."""
+    model_defaults, source = generation_defaults(tokenizer)
+    for ds in datasets:
+        ds.sampling, origin = resolve(ds.sampling, model_defaults, source)
+        log.info("dataset %s: sampling %s", ds.name,
+                 ", ".join(f"{k}={getattr(ds.sampling, k)} ({origin[k]})" for k in NEUTRAL))
