@@ -100,7 +100,8 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig) -> None:
     pipe.sadd(keys.DATASETS, ds.name)
     pipe.hset(keys.conf_key(ds.name), mapping={
         "limit": ds.budget, "mode": ds.mode, "count": ds.count, "keep": ds.keep,
-        "prior_mean": ds.prior_mean, "max_tokens": ds.max_tokens, "registered_at": f"{time.time():.3f}",
+        "prior_mean": ds.prior_mean, "max_tokens": ds.max_tokens, "end_margin_z": ds.end_margin_z,
+        "registered_at": f"{time.time():.3f}",
     })
     pipe.hsetnx(keys.conf_key(ds.name), "paused", "0")
     pipe.execute()

@@ -33,6 +33,11 @@ class ServerConfig(_Strict):
     api_key: str | None = Field(default=None, repr=False)
     timeout_s: float = Field(default=3600.0, gt=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
+    # When budgetq gives up a request the server may still be running (budget crossed, job
+    # cancelled, timeout), also POST /abort_request for its rid: SGLang notices a dropped
+    # non-streaming client only at its next ~4 s poll and generates until then. Turn off only
+    # for a gateway that does not route /abort_request.
+    abort_on_cancel: bool = True
     # Transient failures (connection errors, timeouts, 408/429/5xx) are retried this many
     # times in all, with exponential backoff and jitter between backoff_base_s and backoff_max_s.
     max_attempts: int = Field(default=6, ge=1)
@@ -95,6 +100,11 @@ class DatasetConfig(_Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     # Expected mean response length before the first results arrive (soft-mode reservations).
     prior_mean_tokens: int | None = Field(default=None, gt=0)
+    # Soft mode's end game: admissions keep this many standard deviations of what the requests
+    # in flight may still produce free of the budget (sd x sqrt(in flight)), so few requests
+    # are still running (and aborted) when the budget is crossed. 0 = today's plain taper;
+    # higher = less waste, a slower last few percent (docs/budget.md has the measured trade).
+    end_margin_z: float = Field(default=1.0, ge=0, le=10)
 
     @model_validator(mode="after")
     def _check(self) -> DatasetConfig:

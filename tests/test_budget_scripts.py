@@ -162,3 +162,42 @@ def test_fifty_racing_clients_soft_counts_exactly(redis_url, conn):
     assert n == 33
     st = dataset_state(conn, "D")
     assert st.used == 25 * n and st.reserved == 0 and conn.scard(keys.done_key("D")) == n
+
+
+def _lengths_seen(conn, lengths):
+    """Commit finished requests of these lengths (their reservations taken and given back)."""
+    for i, n in enumerate(lengths):
+        assert run(conn, budget.reserve("D", f"seen{i}", 1000)).status is Admission.ADMIT
+        assert _commit(conn, f"seen{i}", n) is Outcome.COMMITTED
+
+
+def test_the_end_game_margin_keeps_sd_times_root_in_flight_free(conn):
+    # 40 lengths of 50 or 150: mean 100, sd 50. Budget chosen so used + reserved + est fits.
+    _ds(conn, budget_=4000 + 600 + 80, prior=100, max_tokens=1000, end_margin_z=1.0)
+    _lengths_seen(conn, [50, 150] * 20)
+    assert dataset_state(conn, "D").used == 4000
+    for j in "abc":  # 3 in flight x 100 reserved
+        assert run(conn, budget.reserve("D", j, 1000)).status is Admission.ADMIT
+    # a 4th: 4000 + 300 + 100 = 4400 <= 4680, but the margin 1.0 x 50 x sqrt(3 + 1) = 100 more still fits
+    assert run(conn, budget.reserve("D", "d", 1000)).status is Admission.ADMIT
+    # a 5th: 4000 + 400 + 100 + 50 x sqrt(5) = 4611.8 <= 4680: fits; a 6th: 4600 + 50 x sqrt(6) = 4722 > 4680
+    assert run(conn, budget.reserve("D", "e", 1000)).status is Admission.ADMIT
+    assert run(conn, budget.reserve("D", "f", 1000)).status is Admission.WAIT
+    st = dataset_state(conn, "D")
+    assert st.stats["sum_sq_completion"] == 20 * (50 * 50 + 150 * 150)
+
+
+def test_without_the_margin_admissions_run_to_the_plain_sum(conn):
+    _ds(conn, budget_=4000 + 600 + 80, prior=100, max_tokens=1000, end_margin_z=0)
+    _lengths_seen(conn, [50, 150] * 20)
+    for j in "abcdef":  # 4000 + 6 x 100 = 4600 <= 4680
+        assert run(conn, budget.reserve("D", j, 1000)).status is Admission.ADMIT
+    assert run(conn, budget.reserve("D", "g", 1000)).status is Admission.WAIT  # 4600 + 100 > 4680
+
+
+def test_the_margin_never_stops_the_tail_from_filling(conn):
+    # nothing in flight and budget left: one request is always admitted, margin or not
+    _ds(conn, budget_=4000 + 10, prior=100, max_tokens=1000, end_margin_z=5.0)
+    _lengths_seen(conn, [50, 150] * 20)
+    assert run(conn, budget.reserve("D", "a", 1000)).status is Admission.ADMIT
+    assert run(conn, budget.reserve("D", "b", 1000)).status is Admission.WAIT

@@ -180,6 +180,8 @@ class SGLangClient:
 
     def _abort_later(self, ep: Endpoint, rid: str) -> None:
         """Ask the server to stop ``rid`` now, in the background (never blocks a cancellation)."""
+        if not self._server.abort_on_cancel:
+            return
         task = asyncio.get_running_loop().create_task(self._abort(ep, rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)

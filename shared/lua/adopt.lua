@@ -11,6 +11,7 @@ for i = 1, #ARGV, 3 do
     local counted = tonumber(ARGV[i + 1])
     local completion = tonumber(ARGV[i + 2])
     redis.call('HINCRBY', KEYS[6], 'sum_completion', completion)
+    redis.call('HINCRBY', KEYS[6], 'sum_sq_completion', completion * completion)
     if counted >= 0 then
       redis.call('INCRBY', KEYS[2], counted)
       redis.call('HINCRBY', KEYS[6], 'committed', 1)

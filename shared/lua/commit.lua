@@ -38,6 +38,8 @@ if conf[4] == 'total' then tokens = tokens + tonumber(ARGV[2]) end
 local width = math.max(1, math.floor(tonumber(conf[3] or '64') / 64))
 redis.call('HINCRBY', KEYS[8], math.floor(generated / width), 1)
 redis.call('HINCRBY', KEYS[6], 'sum_completion', generated)
+-- With sum_completion, the spread of lengths: reserve.lua's end-game margin.
+redis.call('HINCRBY', KEYS[6], 'sum_sq_completion', generated * generated)
 if conf[5] == 'complete' and ARGV[5] == 'length' then
   redis.call('HINCRBY', KEYS[6], 'truncated', 1)
   redis.call('HINCRBY', KEYS[6], 'truncated_tokens', generated)

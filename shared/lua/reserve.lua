@@ -21,7 +21,7 @@ local held = redis.call('HGET', KEYS[3], job)
 if held then
   return {'ADMIT', tonumber(held)}
 end
-local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'paused', 'prior_mean', 'count')
+local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'paused', 'prior_mean', 'count', 'end_margin_z')
 local limit = tonumber(conf[1])
 if not limit then
   return redis.error_reply('budgetq: dataset not registered: ' .. KEYS[1])
@@ -35,6 +35,7 @@ if conf[5] == 'total' then extra = prompt_tokens end
 local used = tonumber(redis.call('GET', KEYS[2]) or '0')
 local reserved = tonumber(redis.call('GET', KEYS[4]) or '0')
 local est
+local margin = 0
 if mode == 'drain' then
   -- The naive policy: admit while under the budget, reserve nothing.
   if used >= limit then return {'EXHAUSTED', 0} end
@@ -50,25 +51,35 @@ else
   -- finish first, so an early mean is biased low: until enough results are in, never
   -- reserve below the configured prior. Requests that keep running get their reservation
   -- raised by the worker as they age (adjust.lua), which is what tapers the end.
-  local stats = redis.call('HMGET', KEYS[6], 'committed', 'truncated', 'sum_completion')
+  local stats = redis.call('HMGET', KEYS[6], 'committed', 'truncated', 'sum_completion', 'sum_sq_completion')
   local n = tonumber(stats[1] or '0') + tonumber(stats[2] or '0')
   local mean = tonumber(conf[4] or '1')
+  local in_flight = redis.call('HLEN', KEYS[3])
   if n > 0 then
     local m = tonumber(stats[3] or '0') / n
     if n >= 50 or m > mean then mean = m end
+    -- The end game: the requests in flight will produce about their reservations in all,
+    -- give or take sd * sqrt(in flight + 1). Keeping end_margin_z of that spread free means
+    -- the crossing comes with few requests still running, so few are aborted (waste), at
+    -- the cost of a slower last few percent. Far from the budget it changes nothing.
+    local z = tonumber(conf[6] or '0')
+    if z > 0 and n >= 20 then
+      local var = tonumber(stats[4] or '0') / n - m * m
+      if var > 0 then margin = z * math.sqrt(var * (in_flight + 1)) end
+    end
   end
   est = math.ceil(mean)
   if est > max_tokens then est = max_tokens end
   if est < 1 then est = 1 end
   est = est + extra
   -- Fill the tail: with nothing in flight and budget left, always admit one.
-  if redis.call('HLEN', KEYS[3]) == 0 then
+  if in_flight == 0 then
     redis.call('HSET', KEYS[3], job, est)
     redis.call('INCRBY', KEYS[4], est)
     return {'ADMIT', est}
   end
 end
-if used + reserved + est > limit then
+if used + reserved + est + margin > limit then
   return {'WAIT', 0}
 end
 redis.call('HSET', KEYS[3], job, est)
