@@ -142,6 +142,11 @@ class WorkerConfig(_Strict):
     control_interval_s: float = Field(default=0.5, gt=0)
     # SIGTERM/SIGINT: stop taking jobs, let requests in flight finish this long, requeue the rest.
     grace_s: float = Field(default=30.0, ge=0)
+    # How the taper estimates a running request's final length: `censored` counts requests in
+    # flight as "at least g tokens" (Kaplan-Meier) next to the completed ones; `completed` uses
+    # completed lengths only, which early in a run are the short ones (the estimate before
+    # issue 13, kept to compare: bench/end_game.py).
+    taper_estimate: Literal["censored", "completed"] = "censored"
 
 
 class ProducerConfig(_Strict):

@@ -18,6 +18,7 @@ from shared import budget, keys
 from shared.budget import DatasetState
 
 if TYPE_CHECKING:
+    from worker.jobflow import Tracked
     from worker.runner import ConcurrentWorker
 
 log = logging.getLogger("budgetq.worker")
@@ -135,17 +136,28 @@ class Control:
         now = time.monotonic()
         refine = {ds for ds, st in self.states.items()
                   if st.mode == "soft" and self.w.length.samples(ds) >= MIN_SAMPLES}
-        per_ds: dict[str, dict[str, int]] = {}
+        running: dict[str, list[tuple[Tracked, float]]] = {}
         for t in self.w.jobs.values():
-            if t.phase is not Phase.SENDING or t.ds not in refine:
-                continue
-            st = self.states[t.ds]
-            gen = self.w.length.generated_so_far(now - t.admitted_at)
-            want = self.w.length.expected_length(t.ds, gen, t.payload.sampling.max_tokens)
-            if st.count == "total":
-                want += t.prompt_tokens
-            if want > t.reserved:
-                per_ds.setdefault(t.ds, {})[t.claimed.job_id] = want
-                t.reserved = want
+            if t.phase is Phase.SENDING and t.ds in refine:
+                running.setdefault(t.ds, []).append((t, self.w.length.generated_so_far(now - t.admitted_at)))
+        for ds, mine in running.items():
+            if self.w.cfg.worker.taper_estimate != "censored":
+                break
+            # Requests in flight are lengths known to be at least g (censored): without them the
+            # estimate leans on the short answers that finished first. Other workers' requests
+            # are like ours: each of ours stands for in_flight / ours of them.
+            st = self.states[ds]
+            self.w.length.set_running(ds, st.max_tokens, (g for _t, g in mine),
+                                      weight=max(1.0, st.in_flight / len(mine)))
+        per_ds: dict[str, dict[str, int]] = {}
+        for ds, mine in running.items():
+            st = self.states[ds]
+            for t, gen in mine:
+                want = self.w.length.expected_length(ds, gen, t.payload.sampling.max_tokens)
+                if st.count == "total":
+                    want += t.prompt_tokens
+                if want > t.reserved:
+                    per_ds.setdefault(ds, {})[t.claimed.job_id] = want
+                    t.reserved = want
         if per_ds:
             await asyncio.gather(*[self.w.batch(budget.adjust(ds, pairs)) for ds, pairs in per_ds.items()])
