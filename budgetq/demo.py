@@ -66,7 +66,10 @@ def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64,
     sim_args = [*py, "sim", "--port", str(port), "--speedup", "25", "--seed", "1"]
     for name, mean in MEANS.items():
         sim_args += ["--length-mean-for", f"{name}-={mean}"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The children read only the demo's config: a BUDGETQ_SERVER_URLS or BUDGETQ_REDIS_URL left
+    # in the user's shell would otherwise override it and send demo traffic to a real server.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUDGETQ_")}
+    env["PYTHONUNBUFFERED"] = "1"
     procs = [subprocess.Popen(sim_args, env=env)]
     try:
         wait_http(f"http://127.0.0.1:{port}/health")

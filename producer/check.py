@@ -79,10 +79,13 @@ class IdCounter:
         self._hashes.append(hash(prompt_id))
 
     def duplicates(self) -> int:
-        """How many ids repeat one seen before (n - distinct)."""
-        if not self._hashes:
+        """How many ids repeat one seen before (n - distinct). Call once: it sorts the hashes."""
+        if len(self._hashes) < 2:
             return 0
-        return len(self._hashes) - int(np.unique(np.frombuffer(self._hashes, dtype=np.int64)).size)
+        # Sorted in place (a view of the array, no copy); np.unique would cost ~7x the array.
+        hashes = np.frombuffer(self._hashes, dtype=np.int64)
+        hashes.sort()
+        return int(np.count_nonzero(hashes[1:] == hashes[:-1]))
 
 
 @dataclass
