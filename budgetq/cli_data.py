@@ -37,6 +37,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0 (got {text!r})")
+    return value
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from producer.check import format_report, run_check
     from worker.sglang_client import probe_server
@@ -57,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=cmd_export)
     sp = with_config(sub.add_parser("check", help="read every dataset, ask Redis and the servers, estimate the run; "
                                                   "writes nothing (exit 0 only if every dataset can run)"))
-    sp.add_argument("--tok-s", type=float, help="generation rate of all servers together, for time estimates")
-    sp.add_argument("--timeout-s", type=float, default=3.0, help="for Redis and each server (default 3)")
+    sp.add_argument("--tok-s", type=_positive, help="generation rate of all servers together, for time estimates")
+    sp.add_argument("--timeout-s", type=_positive, default=3.0, help="for Redis and each server (default 3)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_check)

@@ -196,7 +196,7 @@ def check_redis(cfg: Config, datasets: list[DatasetCheck], timeout_s: float) -> 
                 d.done = int(conn.scard(keys.done_key(d.name))) if used is not None else None
         finally:
             conn.close()
-    except redis.RedisError as exc:
+    except (redis.RedisError, ValueError) as exc:  # ValueError: a URL redis-py cannot parse
         return RedisCheck(where, False, redact_url(f"{type(exc).__name__}: {exc}"))
     return RedisCheck(where, True)
 
