@@ -150,7 +150,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from budgetq.demo import run_demo
 
-    return run_demo(redis_url=args.redis_url, workers=args.workers, concurrency=args.concurrency)
+    return run_demo(redis_url=args.redis_url, workers=args.workers, concurrency=args.concurrency,
+                    log_level=args.log_level, log_format=args.log_format)
 
 
 def _register_run(sub: argparse._SubParsersAction) -> None:

@@ -1,8 +1,10 @@
-"""Data subcommands: ``budgetq export`` (results JSONL -> Parquet)."""
+"""Data subcommands: ``budgetq export`` (results JSONL -> Parquet), ``budgetq check`` (a dry run)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -35,6 +37,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0 (got {text!r})")
+    return value
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from producer.check import format_report, run_check
+    from worker.sglang_client import probe_server
+
+    cfg = load(args)
+    report = run_check(cfg, lambda url: asyncio.run(probe_server(cfg.server, url, args.timeout_s)),
+                       tok_s=args.tok_s, timeout_s=args.timeout_s)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("export", help="convert out/<dataset>.jsonl to Parquet"))
     sp.add_argument("--dataset", action="append", help="dataset name (repeatable); default: every dataset")
@@ -42,3 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--out", help="directory for <dataset>.parquet (default: output_dir)")
     sp.add_argument("--output-dir", help="where the results JSONL files are (overrides output_dir)")
     sp.set_defaults(func=cmd_export)
+    sp = with_config(sub.add_parser("check", help="read every dataset, ask Redis and the servers, estimate the run; "
+                                                  "writes nothing (exit 0 only if every dataset can run)"))
+    sp.add_argument("--tok-s", type=_positive, help="generation rate of all servers together, for time estimates")
+    sp.add_argument("--timeout-s", type=_positive, default=3.0, help="for Redis and each server (default 3)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_check)

@@ -1,41 +1,75 @@
-"""``budgetq demo``: private Redis, simulator, two workers and the producer on bundled data."""
+"""``budgetq demo``: private Redis, simulator, two workers and the producer on bundled data.
+
+The demo config and datasets ship inside the package (``budgetq/examples``, read through
+``importlib.resources``), so the demo works from a wheel or the Docker image as well as from
+a checkout, where ``examples/`` is a link to the same files.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
-import sys
 import tempfile
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import yaml
 
-from budgetq.localhost import LocalRedis, free_port, wait_http
+from budgetq.localhost import LocalRedis, cli_command, free_port, wait_http
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Mean response lengths per dataset, like the seed's (the simulator keys them on the job id).
 MEANS = {"A1": 1577, "B2": 3793, "C1": 2000}
 
 
+def examples() -> Traversable:
+    """The bundled examples: demo.yaml, budgetq.yaml (every field) and data/*.jsonl."""
+    return resources.files("budgetq") / "examples"
 
-def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64) -> int:
+
+def _copy_tree(src: Traversable, dest: Path) -> None:
+    # Copied, not referenced in place: a Traversable need not be a real directory (zip imports).
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in src.iterdir():
+        if entry.is_dir():
+            _copy_tree(entry, dest / entry.name)
+        else:
+            with entry.open("rb") as fin, open(dest / entry.name, "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+
+
+def write_demo_config(out: Path, redis_url: str, server_url: str) -> Path:
+    """The bundled demo config with its data copied under ``out``; returns the config's path."""
+    _copy_tree(examples() / "data", out / "data")
+    cfg = yaml.safe_load((examples() / "demo.yaml").read_text())
+    cfg["redis_url"] = redis_url
+    cfg["server"]["urls"] = [server_url]
+    cfg["output_dir"] = str(out)
+    for ds in cfg["datasets"]:
+        ds["path"] = str(out / ds["path"])
+    cfg_path = out / "demo.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    return cfg_path
+
+
+def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64,
+             log_level: str = "INFO", log_format: str = "text") -> int:
     local = None if redis_url else LocalRedis()
     url = redis_url or local.url
     port = free_port()
     out = Path(tempfile.mkdtemp(prefix="budgetq-demo-out-"))
-    cfg = yaml.safe_load((EXAMPLES / "demo.yaml").read_text())
-    cfg["redis_url"] = url
-    cfg["server"]["urls"] = [f"http://127.0.0.1:{port}"]
-    cfg["output_dir"] = str(out)
-    for ds in cfg["datasets"]:
-        ds["path"] = str(EXAMPLES / ds["path"])
-    cfg_path = out / "demo.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    py = [sys.executable, "-m", "budgetq.cli"]
+    cfg_path = write_demo_config(out, url, f"http://127.0.0.1:{port}")
+    # Every child gets the demo's own --log-level/--log-format: `budgetq --log-level WARNING
+    # demo` must be quiet all the way down, not only in this process.
+    py = cli_command(log_level, log_format)
     sim_args = [*py, "sim", "--port", str(port), "--speedup", "25", "--seed", "1"]
     for name, mean in MEANS.items():
         sim_args += ["--length-mean-for", f"{name}-={mean}"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The children read only the demo's config: a BUDGETQ_SERVER_URLS or BUDGETQ_REDIS_URL left
+    # in the user's shell would otherwise override it and send demo traffic to a real server.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUDGETQ_")}
+    env["PYTHONUNBUFFERED"] = "1"
     procs = [subprocess.Popen(sim_args, env=env)]
     try:
         wait_http(f"http://127.0.0.1:{port}/health")

@@ -6,6 +6,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -19,6 +20,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cli_command(log_level: str = "INFO", log_format: str = "text") -> list[str]:
+    """``python -m budgetq.cli`` with the logging flags, for the children a command starts.
+
+    Each child sets up its own logging from its own flags, so a parent's --log-level and
+    --log-format reach it only if they are passed on.
+    """
+    return [sys.executable, "-m", "budgetq.cli", "--log-level", log_level, "--log-format", log_format]
 
 
 def wait_http(url: str, timeout_s: float = 15.0) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -17,6 +18,8 @@ from shared.tokens import parse_tokens
 
 TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+# Sampling parameters a dataset may also give at its own level, as shorthand for sampling.<name>.
+SAMPLING_SHORTHAND = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed")
 
 
 class _Strict(BaseModel):
@@ -105,6 +108,37 @@ class DatasetConfig(_Strict):
     # are still running (and aborted) when the budget is crossed. 0 = today's plain taper;
     # higher = less waste, a slower last few percent (docs/budget.md has the measured trade).
     end_margin_z: float = Field(default=1.0, ge=0, le=10)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sampling_shorthand(cls, data: Any) -> Any:
+        """``max_tokens: 4096`` at the dataset level means ``sampling: {max_tokens: 4096}``.
+
+        People write it that way (it is how most generation scripts take it); the same
+        parameter given in both places with different values is an error, not a silent pick.
+        """
+        if not isinstance(data, dict) or not any(k in data for k in SAMPLING_SHORTHAND):
+            return data
+        data = dict(data)
+        sampling = data.get("sampling")
+        if isinstance(sampling, SamplingParams):
+            sampling = sampling.model_dump(exclude_unset=True)
+        if sampling is None:
+            sampling = {}
+        if not isinstance(sampling, dict):
+            return data  # the field's own validator names the bad value
+        sampling = dict(sampling)
+        label = f"dataset {data['name']}" if isinstance(data.get("name"), str) else "dataset"
+        for key in SAMPLING_SHORTHAND:
+            if key not in data:
+                continue
+            value = data.pop(key)
+            if key in sampling and sampling[key] != value:
+                raise ValueError(f"{label}: {key} is given twice, {value!r} at the dataset level and "
+                                 f"{sampling[key]!r} as sampling.{key}: keep one")
+            sampling[key] = value
+        data["sampling"] = sampling
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> DatasetConfig:
@@ -226,12 +260,53 @@ def _set(raw: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     raw[path[-1]] = value
 
 
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside a field's annotation (``X``, ``list[X]``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model that holds the field at ``loc`` (list indexes skipped), e.g. DatasetConfig for
+    ``datasets.0.max_tokenz``."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        model = _model_in(field.annotation)
+    return model
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """`` (did you mean `sampling.max_tokens`?)`` for an unknown field close to a known one."""
+    model = _model_at(loc)
+    if model is None or not loc or not isinstance(loc[-1], str):
+        return ""
+    names = {n: n for n in model.model_fields}
+    if model is DatasetConfig:
+        names.update({n: f"sampling.{n}" for n in SamplingParams.model_fields if n != "extra"})
+    close = difflib.get_close_matches(loc[-1], list(names), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean `{names[close[0]]}`?)"
+    if model is SamplingParams:
+        return f" (other SGLang sampling parameters go under sampling.extra, e.g. extra: {{{loc[-1]}: ...}})"
+    return f" (known fields: {', '.join(sorted(model.model_fields))})"
+
+
 def _describe(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-        lines.append(f"  {loc}: {e['msg']}{got}")
+        hint = _did_you_mean(tuple(e["loc"])) if e["type"] == "extra_forbidden" else ""
+        lines.append(f"  {loc}: {e['msg']}{hint}{got}")
     return "\n".join(lines)
 
 

@@ -1,10 +1,13 @@
 """Every Redis key budgetq uses, in one place.
 
-Per-dataset keys carry a ``{dataset}`` hash tag so that one dataset's keys sit in one
-Redis Cluster slot and the multi-key Lua scripts stay legal there. RQ's own keys
-(``rq:queue:bq-<ds>``, ``rq:wip:bq-<ds>``, ``rq:job:<id>``) are named here too, because our
-Lua scripts claim and requeue jobs atomically with RQ's layout (checked by tests against
-RQ's own API).
+Per-dataset keys carry a ``{dataset}`` hash tag, so one dataset's keys share a hash slot
+and the per-dataset budget scripts (reserve, commit, adjust, adopt, withdraw, and release
+without its optional RQ registry key) touch one slot only. The claim, requeue and finish
+scripts (and release with the registry) also touch RQ's own keys (``rq:queue:bq-<ds>``,
+``rq:wip:bq-<ds>``, ``rq:job:<id>``, named here too because those scripts move jobs
+atomically within RQ's layout, checked by tests against RQ's own API); those keys carry no
+hash tag, so those scripts are not Redis Cluster-legal. budgetq needs a single Redis
+(optionally with replicas), not a Cluster: see docs/resilience.md.
 """
 
 PREFIX = "bq"

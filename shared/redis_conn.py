@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import redis
 import redis.asyncio as aredis
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 _RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
@@ -22,6 +22,12 @@ def _retry() -> Retry:
 def connect(url: str) -> redis.Redis:
     """A blocking client (producer, CLI, RQ bookkeeping). Works with redis://, rediss://, user:password@."""
     return redis.Redis.from_url(url, retry=_retry(), retry_on_error=_RETRY_ON, health_check_interval=15)
+
+
+def connect_once(url: str, timeout_s: float = 3.0) -> redis.Redis:
+    """A client that fails fast: short socket timeouts and no retries (``budgetq check``)."""
+    return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                retry=Retry(NoBackoff(), 0), retry_on_error=[])
 
 
 def aconnect(url: str, max_connections: int = 32) -> aredis.Redis:

@@ -25,6 +25,7 @@ KEY_RATIO = {
     "orchestration": "ratio vs stock rq",
     "scale": "ratio to model",
     "producer_memory": "peak RSS ratio to the smallest",
+    "check_rate": "peak RSS ratio to the smallest",
 }
 
 

@@ -265,3 +265,40 @@ class SGLangClient:
                 raise
             self.pool.success(ep)
             return out
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a server says it serves (``budgetq check``): /v1/models ids and /model_info's model_path."""
+
+    url: str
+    models: list[str]
+    model_path: str | None
+    error: str | None = None
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> tuple[int, object]:
+    async with session.get(url, headers=headers) as resp:
+        try:
+            return resp.status, await resp.json(content_type=None)
+        except ValueError:
+            return resp.status, await resp.text()
+
+
+async def probe_server(server: ServerConfig, url: str, timeout_s: float = 5.0) -> ServerInfo:
+    """Ask one endpoint what it serves, with a short timeout and no retries (a check, not a run)."""
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            status, body = await _get_json(session, url + "/v1/models", headers)
+            if status != 200 or not isinstance(body, dict):
+                return ServerInfo(url, [], None, f"GET /v1/models: HTTP {status}: {_error_message(body)}")
+            ids = [str(m.get("id")) for m in body.get("data") or [] if isinstance(m, dict)]
+            status, info = await _get_json(session, url + "/model_info", headers)
+            if status == 404:  # older servers only have the old name
+                status, info = await _get_json(session, url + "/get_model_info", headers)
+            path = info.get("model_path") if status == 200 and isinstance(info, dict) else None
+            return ServerInfo(url, ids, str(path) if path else None)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return ServerInfo(url, [], None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)

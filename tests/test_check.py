@@ -1,0 +1,175 @@
+"""``budgetq check``: a dry run that reads the datasets, asks Redis and the servers, and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from budgetq.localhost import free_port
+from producer.check import IdCounter, model_matches, reason_key
+from shared import keys
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rows(tmp_path: Path) -> Path:
+    lines = [json.dumps({"id": f"p{i}", "prompt": f"hello {i} what is the answer"}) for i in range(20)]
+    lines += [json.dumps({"id": "p3", "prompt": "hello again"}),   # duplicate id
+              json.dumps({"id": "p7", "prompt": "hello twice"}),   # duplicate id
+              "{not json",
+              "{also not json at all",
+              json.dumps({"id": "x1"}),                            # no prompt
+              json.dumps({"id": "x2", "prompt": "hi"})]            # filtered: under min_prompt_chars
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(tmp_path: Path, redis_url: str, server_url: str, **server) -> Path:
+    data = _rows(tmp_path)
+    cfg = {"redis_url": redis_url, "server": {"urls": [server_url], **server},
+           "datasets": [{"name": "A1", "path": str(data), "budget": "30k", "id_field": "id", "prior_mean_tokens": 1000,
+                         "min_prompt_chars": 5},
+                        {"name": "B2", "path": str(data), "budget": 5000, "id_field": "id", "prior_mean_tokens": 500,
+                         "mode": "strict", "min_prompt_chars": 5}]}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _check(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "budgetq.cli", "check", "-c", str(config), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+
+
+def _snapshot(conn: redis.Redis) -> dict[bytes, bytes]:
+    return {k: conn.dump(k) for k in conn.scan_iter(count=1000)}
+
+
+def test_check_counts_prompts_and_estimates_the_run_without_writing_to_redis(tmp_path, redis_url, conn, sim_factory):
+    url = sim_factory("--instant")
+    # A run that already started: check reads how far it got, and changes nothing.
+    conn.set(keys.used_key("A1"), 12_000)
+    conn.sadd(keys.done_key("A1"), *[f"A1-p{i}" for i in range(12)])
+    before = _snapshot(conn)
+    proc = _check(_config(tmp_path, redis_url, url), "--json", "--tok-s", "100")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _snapshot(conn) == before
+    report = json.loads(proc.stdout)
+    a1, b2 = report["datasets"]
+    assert (a1["valid"], a1["duplicates"], a1["unique"], a1["invalid"], a1["filtered"]) == (22, 2, 20, 3, 1)
+    assert a1["invalid_by_reason"] == {"bad JSON at column N: Expecting property name enclosed in double quotes": 2,
+                                       "missing field 'prompt'": 1}
+    assert a1["first_at"]["missing field 'prompt'"] == 25
+    assert a1["prompt_chars"]["count"] == 22 and a1["prompt_tokens"] is None
+    # A1: 18k left at 1,000 per response = 18 responses; 20 unique - 12 done = 8 left: runs out.
+    assert (a1["used"], a1["done"], a1["responses_needed"], a1["runs_out"]) == (12_000, 12, 18, True)
+    assert a1["expected_tokens"] == 8 * 1000 and a1["est_s"] == pytest.approx(80.0)
+    # B2: never started; 5,000 / 500 = 10 responses of 20 prompts.
+    assert (b2["used"], b2["responses_needed"], b2["runs_out"], b2["expected_tokens"]) == (None, 10, False, 5000)
+    assert report["est_s"] == pytest.approx(130.0)
+    assert report["redis"]["ok"] and report["servers"][0]["ok"] and report["servers"][0]["models"] == ["sim-model"]
+
+    text = _check(_config(tmp_path, redis_url, url), "--tok-s", "100")
+    assert text.returncode == 0
+    assert "A1: OK" in text.stdout and "2 x bad JSON at column N" in text.stdout
+    assert "RUNS OUT of prompts before its budget: 8 left, ~18 needed" in text.stdout
+    assert "check: every dataset can run" in text.stdout.splitlines()[-1]
+
+
+def test_check_works_with_a_read_only_acl_user(tmp_path, redis_url, conn, sim_factory):
+    url = sim_factory("--instant")
+    conn.set(keys.used_key("B2"), 100)
+    conn.execute_command("ACL", "SETUSER", "checker", "on", ">check-pw-123", "~*", "+@read")
+    try:
+        ro_url = redis_url.replace("redis://", "redis://checker:check-pw-123@")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(ro_url).set("x", 1)  # the user really is read-only
+        proc = _check(_config(tmp_path, ro_url, url), "--json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert json.loads(proc.stdout)["datasets"][1]["used"] == 100
+        assert "check-pw-123" not in proc.stdout + proc.stderr
+    finally:
+        conn.execute_command("ACL", "DELUSER", "checker")
+
+
+def test_check_fails_on_a_model_the_server_does_not_serve(tmp_path, redis_url, sim_factory):
+    url = sim_factory("--instant", "--served-model-name", "Qwen/Qwen3-8B")
+    assert _check(_config(tmp_path, redis_url, url, model="Qwen3-8B")).returncode == 0
+    proc = _check(_config(tmp_path, redis_url, url, model="llama"))
+    assert proc.returncode == 1
+    assert f"server {url}: FAILED: server.model 'llama' is not what it serves ('Qwen/Qwen3-8B')" in proc.stdout
+
+
+def test_check_fails_fast_when_redis_and_the_server_do_not_answer(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc = _check(_config(tmp_path, f"redis://127.0.0.1:{free_port()}/0", dead), "--timeout-s", "2")
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert any(ln.startswith("redis 127.0.0.1:") and "FAILED: ConnectionError" in ln for ln in lines)
+    assert any(ln.startswith(f"server {dead}: FAILED") for ln in lines)
+    assert "A1: OK" in proc.stdout  # the datasets are still checked
+
+
+def test_a_dataset_that_cannot_be_read_fails_the_check_and_the_others_are_still_checked(tmp_path, redis_url,
+                                                                                       sim_factory):
+    url = sim_factory("--instant")
+    config = _config(tmp_path, redis_url, url)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["datasets"][0]["path"] = str(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("{broken\n")
+    cfg["datasets"].append({"name": "C1", "path": str(tmp_path / "empty.jsonl"), "budget": 1000})
+    config.write_text(yaml.safe_dump(cfg))
+    proc = _check(config, "--json")
+    assert proc.returncode == 1
+    a1, b2, c1 = json.loads(proc.stdout)["datasets"]
+    assert not a1["ok"] and "missing.jsonl" in a1["error"]
+    assert b2["ok"] and b2["valid"] == 22
+    assert not c1["ok"] and c1["invalid"] == 1 and c1["valid"] == 0
+
+
+def test_check_counts_prompt_tokens_with_the_tokenizer(tmp_path, redis_url, sim_factory):
+    url = sim_factory("--instant")
+    tok = make_tiny_tokenizer(tmp_path / "tok")
+    config = _config(tmp_path, redis_url, url, tokenizer=tok)
+    proc = _check(config, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a1 = json.loads(proc.stdout)["datasets"][0]
+    tokens = a1["prompt_tokens"]
+    assert tokens["count"] == a1["valid"] == 22 and 0 < tokens["min"] < tokens["max"]
+    # Prompts over max_prompt_tokens are invalid, with the numbers, counted under one reason.
+    cfg = yaml.safe_load(config.read_text())
+    cfg["datasets"][0]["max_prompt_tokens"] = tokens["max"] - 1
+    config.write_text(yaml.safe_dump(cfg))
+    a1 = json.loads(_check(config, "--json").stdout)["datasets"][0]
+    too_long = {r: n for r, n in a1["invalid_by_reason"].items() if "max_prompt_tokens" in r}
+    assert len(too_long) == 1 and a1["invalid"] == 3 + sum(too_long.values()) and a1["valid"] == 22 - sum(
+        too_long.values())
+    assert a1["prompt_tokens"]["max"] <= tokens["max"] - 1
+
+
+def test_id_counter_counts_repeats_compactly():
+    ids = IdCounter()
+    for i in [*range(1000), 5, 5, 999]:
+        ids.add(f"id-{i}")
+    assert ids.duplicates() == 3 and IdCounter().duplicates() == 0
+
+
+def test_reason_key_drops_row_and_column_numbers():
+    assert reason_key("row 12: field 'prompt' is empty") == "field 'prompt' is empty"
+    assert reason_key("bad JSON at column 7: Expecting value") == "bad JSON at column N: Expecting value"
+
+
+def test_model_matches_ids_paths_and_default():
+    assert model_matches("default", ["anything"], None)
+    assert model_matches("Qwen/Qwen3-8B", ["Qwen/Qwen3-8B"], None)
+    assert model_matches("Qwen3-8B", [], "/models/Qwen3-8B/")
+    assert not model_matches("llama", ["Qwen/Qwen3-8B"], "/models/Qwen3-8B")

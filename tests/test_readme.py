@@ -1,0 +1,70 @@
+"""The README's quick start runs as written: ``budgetq demo`` and ``budgetq check`` (its sample output too)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _quick_start() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Quick start")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _commands(section: str) -> list[str]:
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    lines = [ln.split("#", 1)[0].strip() for block in blocks for ln in block.splitlines()]
+    return [ln for ln in lines if ln]
+
+
+def _run(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    argv = shlex.split(command.rstrip("&").strip())
+    assert argv[0] == "budgetq", command
+    return subprocess.run([sys.executable, "-m", "budgetq.cli", *argv[1:]], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUDGETQ_")}
+    return {**env, **extra}
+
+
+def test_quick_start_installs_then_demo_then_check_then_a_real_run():
+    cmds = _commands(_quick_start())
+    order = [next(i for i, c in enumerate(cmds) if c.startswith(p))
+             for p in ("pip install", "budgetq demo", "budgetq check", "budgetq worker", "budgetq produce")]
+    assert order == sorted(order), cmds
+
+
+def test_quick_start_demo_runs_as_written():
+    (demo,) = [c for c in _commands(_quick_start()) if c.startswith("budgetq demo")]
+    proc = _run(demo, _env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "budgetq summary" in proc.stdout
+    for name in ("A1", "B2", "C1"):
+        assert re.search(rf"^│ {name} +│", proc.stdout, re.M), proc.stdout
+
+
+def test_quick_start_check_runs_as_written_and_prints_what_the_readme_shows(redis_url, sim_factory):
+    section = _quick_start()
+    (check,) = [c for c in _commands(section) if c.startswith("budgetq check")]
+    assert any(c.startswith("budgetq sim --port 30000") for c in _commands(section))
+    url = sim_factory("--instant")  # the README's `budgetq sim`, on a free port (env points check at it)
+    proc = _run(check, _env(BUDGETQ_REDIS_URL=redis_url, BUDGETQ_SERVER_URLS=url))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sample = re.search(r"```\n(B2: OK.*?)```", section, re.S).group(1).splitlines()
+    out = proc.stdout.splitlines()
+    assert len(out) == len(sample)
+    for got, shown in zip(out, sample, strict=True):
+        if shown.startswith(("B2:", "redis ", "server ")) or "read in" in shown:
+            # paths, addresses and read times differ from machine to machine
+            assert got.split(":")[0].split()[0] == shown.split(":")[0].split()[0], (got, shown)
+        else:
+            assert got == shown
