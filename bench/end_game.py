@@ -94,6 +94,18 @@ HEADERS = ["case", "variant", "used/budget (worst)", "used - budget (worst)", "a
            "kept / (capacity x wall)", "sim running (median)"]
 
 
+SUMMARY = ["case", "variant", "runs", "waste % (median)", "waste % (max)", "ratio to ideal (median)",
+           "kept / (capacity x wall) (median)", "all in [B, B+max_tokens)"]
+
+
+def _summary(case: str, variant: str, runs: list[Result]) -> list[object]:
+    waste = [100 * r.waste / max(1, r.generated) for r in runs]
+    ratio = [r.tail_s / r.ideal_s for r in runs if r.ideal_s]
+    return [case, variant, len(runs), f"{statistics.median(waste):.2f}%", f"{max(waste):.2f}%",
+            f"{statistics.median(ratio):.2f}" if ratio else "-",
+            f"{statistics.median(r.efficiency for r in runs):.3f}", "yes" if all(r.in_bounds for r in runs) else "NO"]
+
+
 def _dataset_of(job_id: str, names: list[str]) -> str | None:
     return next((n for n in names if job_id.startswith(n + "-")), None)
 
@@ -174,6 +186,8 @@ def main(argv: list[str]) -> None:
                     help="simulated seconds per wall second (default 4: a mean response lasts ~1.6 wall s, "
                          "16 control intervals of 0.1 s)")
     ap.add_argument("--case", action="append", help="only this case (repeatable)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each case's variants this many times, alternating (the machine is noisy)")
     ap.add_argument("--disconnect-poll-s", type=float, default=4.0,
                     help="simulated seconds before the server notices a dropped client (SGLang: 4)")
     args = ap.parse_args(argv)
@@ -195,17 +209,22 @@ def main(argv: list[str]) -> None:
     results: list[Result] = []
     try:
         for case in cases:
-            for variant in VARIANTS:
-                t0 = time.monotonic()
-                r = run_case(stack, sim, case, variant, args.speedup)
-                results.append(r)
-                print(f"  {case.name} {variant}: used/budget {r.worst_ratio:.4f}, waste {r.waste:,} "
-                      f"({100 * r.waste / max(1, r.generated):.2f}%), efficiency {r.efficiency:.3f} "
-                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+            for _ in range(args.repeat):
+                for variant in VARIANTS:
+                    t0 = time.monotonic()
+                    r = run_case(stack, sim, case, variant, args.speedup)
+                    results.append(r)
+                    print(f"  {case.name} {variant}: used/budget {r.worst_ratio:.4f}, waste {r.waste:,} "
+                          f"({100 * r.waste / max(1, r.generated):.2f}%), efficiency {r.efficiency:.3f} "
+                          f"({time.monotonic() - t0:.0f} s)", flush=True)
     finally:
         stack.close()
         sim.close()
         print(c.md_table(HEADERS, [r.row() for r in results]))
+    if args.repeat > 1:
+        print("\nMedians over the repeats:\n")
+        print(c.md_table(SUMMARY, [_summary(case.name, v, [r for r in results if (r.case, r.variant) ==
+                                                             (case.name, v)]) for case in cases for v in VARIANTS]))
     print(f"\nbudgets: {', '.join(f'{k.name} {format_tokens(k.budget)} x {len(k.datasets)}' for k in cases)}")
 
 

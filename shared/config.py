@@ -19,7 +19,7 @@ from shared.tokens import parse_tokens
 TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 # Sampling parameters a dataset may also give at its own level, as shorthand for sampling.<name>.
-SAMPLING_SHORTHAND = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed")
+SAMPLING_SHORTHAND = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "seed")
 
 
 class _Strict(BaseModel):

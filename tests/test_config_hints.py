@@ -19,11 +19,12 @@ DS = "datasets:\n  - {name: A1, path: x.jsonl, budget: 1M, %s}\n"
 
 def test_dataset_level_sampling_parameters_are_shorthand_for_sampling(tmp_path):
     cfg = _load(tmp_path, DS % "max_tokens: 4096, temperature: 0.2, top_p: 0.9, top_k: 20, min_p: 0.05, "
-                                "stop: ['</s>'], seed: 7, sampling: {extra: {repetition_penalty: 1.1}}")
+                                "stop: ['</s>'], seed: 7, repetition_penalty: 1.1, "
+                                "sampling: {extra: {frequency_penalty: 0.1}}")
     s = cfg.datasets[0].sampling
-    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.stop, s.seed) == \
-        (4096, 0.2, 0.9, 20, 0.05, ["</s>"], 7)
-    assert s.extra == {"repetition_penalty": 1.1} and cfg.datasets[0].max_tokens == 4096
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.stop, s.seed, s.repetition_penalty) == \
+        (4096, 0.2, 0.9, 20, 0.05, ["</s>"], 7, 1.1)
+    assert s.extra == {"frequency_penalty": 0.1} and cfg.datasets[0].max_tokens == 4096
 
 
 def test_the_same_value_in_both_places_is_fine_but_two_values_are_an_error(tmp_path):
@@ -45,7 +46,7 @@ def test_a_bad_shorthand_value_names_its_field_under_sampling(tmp_path):
     ("temprature: 1", "datasets.0.temprature", "did you mean `sampling.temperature`?"),
     ("prompt_feild: q", "datasets.0.prompt_feild", "did you mean `prompt_field`?"),
     ("sampling: {temprature: 1}", "datasets.0.sampling.temprature", "did you mean `temperature`?"),
-    ("sampling: {repetition_penalty: 1.1}", "datasets.0.sampling.repetition_penalty", "go under sampling.extra"),
+    ("sampling: {ignore_eos: true}", "datasets.0.sampling.ignore_eos", "go under sampling.extra"),
 ])
 def test_unknown_dataset_fields_suggest_the_close_match(tmp_path, field, where, hint):
     with pytest.raises(ConfigError) as exc:

@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from budgetq.localhost import free_port
+from shared import keys
 from shared.config import ServerConfig, load_config
 from shared.errors import FatalRequestError, RetryableRequestError
 from shared.sampling import NEUTRAL, generation_defaults, resolve, resolve_datasets
@@ -277,3 +278,34 @@ def test_sampling_values_sglang_rejects_fail_at_config_load(field, value):
 
     with pytest.raises(ValidationError, match=field):
         SamplingParams(**{field: value})
+
+
+# --- the whole pipeline against `budgetq sim` with SGLang's rules ------------------------------
+
+def test_a_run_with_dropped_connections_and_held_rids_loses_nothing(tmp_path, redis_url, conn, sim_factory):
+    """SGLang holds a dropped request's rid ~4 s and aborts by rid prefix (p1 prefixes p10..p19, p100..).
+
+    On the old scheme (rid = job id, reused on retry) the retries met "400 Duplicate request
+    ID" and failed, and a drop of p1 aborted p10.., whose cut answers were committed.
+    """
+    from tests.helpers import check_invariants, rows, run_to_completion, sim_get, write_config, write_dataset
+
+    sim = sim_factory("--speedup", "4", "--length-mean", "60", "--length-sigma", "0.5", "--seed", "3",
+                      "--drop-rate", "0.05", "--disconnect-poll-s", "4")
+    ids = write_dataset(tmp_path / "D.jsonl", 2000)
+    cfg = write_config(tmp_path, redis_url, [sim], [{"name": "D", "path": str(tmp_path / "D.jsonl"),
+                                                     "budget": "100M", "id_field": "id",
+                                                     "sampling": {"max_tokens": 400}}],
+                       worker={"concurrency": 128, "heartbeat_ttl_s": 10, "control_interval_s": 0.2},
+                       server={"backoff_base_s": 0.05, "backoff_max_s": 0.5, "max_attempts": 8,
+                               "eject_after_failures": 1000})
+    run_to_completion(cfg, tmp_path, workers=2, timeout_s=300)
+    states = check_invariants(conn, tmp_path / "out", "D", ids)
+    stats = sim_get(sim, "/sim/stats")
+    assert stats["dropped"] >= 40, stats  # ~5% of 2,000 were cut
+    out = rows(tmp_path / "out" / "D.jsonl")
+    assert states["committed"] == 2000 and states["failed"] == 0, states
+    assert {r["finish_reason"] for r in out} <= {"stop", "length"}
+    assert int(conn.get(keys.used_key("D"))) == sum(r["completion_tokens"] for r in out)
+    requests = sim_get(sim, "/sim/requests")
+    assert all(job_id_of_rid(r["rid"]) != r["rid"] for r in requests)  # every rid carries its attempt nonce
