@@ -41,6 +41,20 @@ class Outcome(enum.Enum):
         return self in (Outcome.COMMITTED, Outcome.CROSSED, Outcome.TRUNCATED)
 
 
+class Released(enum.Enum):
+    """What release did with a reservation."""
+
+    RELEASED = "RELEASED"          # given back (0 tokens if the job held none)
+    NOT_OURS = "NOT_OURS"          # the caller's lease ran out: the job was requeued, maybe running elsewhere
+    ALREADY_DONE = "ALREADY_DONE"  # another copy of the job committed it
+
+
+@dataclass(frozen=True)
+class Release:
+    status: Released
+    tokens: int
+
+
 @dataclass(frozen=True)
 class Reservation:
     status: Admission
@@ -60,19 +74,23 @@ def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, fin
            row_json: str) -> ScriptCall[Outcome]:
     """Count a result once; the dataset's conf decides what counts (count, keep)."""
     return ScriptCall("commit", keys.budget_keys(ds),
-                      [job_id, prompt_tokens, completion_tokens, row_json, finish_reason],
+                      [job_id, prompt_tokens, completion_tokens, row_json, finish_reason,
+                       keys.HIST_BINS, keys.RATE_BUCKET_S, keys.RATE_KEEP_S],
                       lambda r: Outcome(_text(r[0])))
 
 
-def release(ds: str, job_id: str, generated: int = 0, member: str | None = None) -> ScriptCall[int]:
+def release(ds: str, job_id: str, generated: int = 0, member: str | None = None) -> ScriptCall[Release]:
     """Give a reservation back; ``generated`` tokens made for nothing are counted as waste.
 
     With ``member`` (the caller's started-registry entry), only while the caller still holds
-    the job; returns -1 if it does not (its lease ran out and the job was requeued).
+    the job; NOT_OURS if it does not (its lease ran out and the job was requeued).
     """
+    def parse(r: Any) -> Release:
+        return Release(Released(_text(r[0])), int(r[1]))
+
     if member is None:
-        return ScriptCall("release", keys.budget_keys(ds), [job_id, generated], int)
-    return ScriptCall("release", [*keys.budget_keys(ds), keys.rq_wip_key(ds)], [job_id, generated, member], int)
+        return ScriptCall("release", keys.budget_keys(ds), [job_id, generated], parse)
+    return ScriptCall("release", [*keys.budget_keys(ds), keys.rq_wip_key(ds)], [job_id, generated, member], parse)
 
 
 def adjust(ds: str, tokens_by_job: dict[str, int]) -> ScriptCall[int]:

@@ -21,8 +21,12 @@ CONTROL_LOG = f"{PREFIX}:control"
 CONTROL_LOG_MAXLEN = 1000
 # Lock held by whichever process runs the maintenance pass (requeue abandoned jobs).
 MAINTENANCE_LOCK = f"{PREFIX}:maintenance:lock"
-# Width of the buckets of rate_key, in seconds.
+# Width of the buckets of rate_key, in seconds, and how long commit.lua keeps them.
 RATE_BUCKET_S = 5
+RATE_KEEP_S = 3600
+# Bins of hist_key: bin width = max_tokens // HIST_BINS; a response cut at max_tokens lands
+# in bin HIST_BINS (the cap's point mass). Passed to commit.lua, read by worker/estimator.py.
+HIST_BINS = 64
 
 
 def _ds(ds: str, what: str) -> str:
@@ -30,7 +34,8 @@ def _ds(ds: str, what: str) -> str:
 
 
 def conf_key(ds: str) -> str:
-    """Hash: limit, mode, count, keep, paused, prior_mean, max_tokens, registered_at."""
+    """Hash: limit, mode, count, keep, paused, prior_mean, max_tokens, end_margin_z, abort_epoch,
+    registered_at."""
     return _ds(ds, "conf")
 
 
@@ -55,14 +60,17 @@ def done_key(ds: str) -> str:
 
 
 def stats_key(ds: str) -> str:
-    """Hash of counters: committed, truncated, skipped, failed, invalid, duplicate, aborted,
-    requeued, retried, recovered, sum_tokens, sum_sq_tokens, generated_tokens, wasted_tokens."""
+    """Hash of counters. Jobs: committed, truncated, skipped, aborted, rejected, failed, invalid,
+    duplicate, already_done, withdrawn, requeued, retried, retried_failed, recovered. Tokens:
+    sum_tokens (counted), sum_completion and sum_sq_completion (completion lengths of committed
+    and truncated results: the mean and spread reserve.lua uses), truncated_tokens,
+    generated_tokens, wasted_tokens."""
     return _ds(ds, "stats")
 
 
 def hist_key(ds: str) -> str:
     """Hash: bucket index -> count of committed responses whose counted length falls in
-    [i * width, (i + 1) * width), width = conf.max_tokens // 64 (at least 1). Workers read it
+    [i * width, (i + 1) * width), width = conf.max_tokens // HIST_BINS (at least 1). Workers read it
     to estimate how long the requests still in flight will run."""
     return _ds(ds, "hist")
 

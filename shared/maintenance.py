@@ -110,7 +110,8 @@ class Maintenance:
         self._leak_candidates[ds] = leaked - confirmed
         if confirmed:
             released = run_many(self.conn, [budget.release(ds, j) for j in sorted(confirmed)])
-            report.leaks_released += sum(1 for r in released if isinstance(r, int) and r >= 0)
+            report.leaks_released += sum(1 for r in released
+                                         if isinstance(r, budget.Release) and r.status is budget.Released.RELEASED)
 
     def _prune_workers(self, report: Report) -> None:
         for name in self.conn.smembers(keys.WORKERS):

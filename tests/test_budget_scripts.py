@@ -34,8 +34,9 @@ def test_reserve_commit_release_semantics(conn):
     assert conn.xlen(keys.results_key("D")) == 1
     assert run(conn, budget.reserve("D", "j1", 30)).status is Admission.DONE
     assert run(conn, budget.reserve("D", "j2", 100)).status is Admission.ADMIT
-    assert run(conn, budget.release("D", "j2", 7)) == 42  # the running mean (42) is above the prior (30)
-    assert run(conn, budget.release("D", "j2")) == 0
+    # the running mean (42) is above the prior (30)
+    assert run(conn, budget.release("D", "j2", 7)) == budget.Release(budget.Released.RELEASED, 42)
+    assert run(conn, budget.release("D", "j2")) == budget.Release(budget.Released.RELEASED, 0)
     st = dataset_state(conn, "D")
     # the duplicate's 42 tokens and the released request's 7 were generated for nothing
     assert st.reserved == 0 and st.stats["wasted_tokens"] == 42 + 7

@@ -23,9 +23,11 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-# Bins of the histogram (commit.lua): width = max_tokens // 64; a response cut at max_tokens
-# lands in bin 64 (the cap's point mass).
-BINS = 64
+from shared import keys
+
+# Bins of the histogram (commit.lua): width = max_tokens // BINS; a response cut at max_tokens
+# lands in bin BINS (the cap's point mass).
+BINS = keys.HIST_BINS
 # With fewer completed samples than this at or beyond g, fall back to "between g and max".
 MIN_TAIL = 5
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared import budget, jobs
-from shared.budget import Admission, Outcome, Reservation
+from shared.budget import Admission, Outcome, Released, Reservation
 from shared.errors import BadResponseError, FatalRequestError, RetryableRequestError
 from shared.jobs import Claimed
 from shared.retry import retry_redis
@@ -82,7 +82,7 @@ async def run_job(w: ConcurrentWorker, t: Tracked) -> None:
         await asyncio.shield(_on_cancel(w, t))
     except Exception as exc:  # noqa: BLE001 - a bug must fail one job, never the worker
         log.exception("job %s: unexpected error", t.claimed.job_id)
-        if await asyncio.shield(_release(w, t)) is Released.YES:
+        if await asyncio.shield(_release(w, t)) is Released.RELEASED:
             await w.end(t, "failed", error=f"{type(exc).__name__}: {exc}", stat="failed")
     finally:
         w.jobs.pop(t.claimed.member, None)
@@ -146,7 +146,7 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
             w.slots.release()
     except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:
         log.warning("job %s failed: %s", job_id, exc)
-        if await _release(w, t) is Released.YES:
+        if await _release(w, t) is Released.RELEASED:
             await w.end(t, "failed", error=str(exc), stat="failed")
         return
     t.phase = Phase.COMMITTING
@@ -165,24 +165,16 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
         await w.end(t, "canceled", skipped="admission withdrawn before the result arrived", stat="skipped")
 
 
-class Released(enum.Enum):
-    YES = "released"
-    NOT_OURS = "not ours"          # our lease ran out: the job was requeued, maybe running elsewhere
-    ALREADY_DONE = "already done"  # another copy of the job committed it
-
-
 async def _release(w: ConcurrentWorker, t: Tracked, generated: int = 0) -> Released:
     call = budget.release(t.ds, t.claimed.job_id, generated, member=t.claimed.member)
-    n = await retry_redis(lambda: w.batch(call), f"release {t.claimed.job_id}", give_up_after_s=60)
+    out = await retry_redis(lambda: w.batch(call), f"release {t.claimed.job_id}", give_up_after_s=60)
     w.control.room_freed(t.ds)
-    if n == -1:
+    if out.status is Released.NOT_OURS:
         log.warning("job %s: our lease ran out (it was requeued and may run elsewhere): dropping our copy",
                     t.claimed.job_id)
-        return Released.NOT_OURS
-    if n == -2:
+    elif out.status is Released.ALREADY_DONE:
         await w.end(t, "finished", {"status": "already_done"}, stat="already_done")
-        return Released.ALREADY_DONE
-    return Released.YES
+    return out.status
 
 
 async def _requeue(w: ConcurrentWorker, t: Tracked) -> None:
@@ -201,7 +193,7 @@ async def _on_cancel(w: ConcurrentWorker, t: Tracked) -> None:
         generated = 0
         if t.phase is Phase.SENDING:
             generated = int(w.length.generated_so_far(time.monotonic() - t.admitted_at))
-        if await _release(w, t, generated) is Released.YES:
+        if await _release(w, t, generated) is Released.RELEASED:
             await w.end(t, "canceled", skipped=f"aborted in flight: {reason}", stat="aborted")
     except Exception as exc:  # noqa: BLE001 - Redis gone: the lease will expire and it is requeued
         log.warning("job %s: could not settle after cancel (%s): %s", t.claimed.job_id, reason, exc)

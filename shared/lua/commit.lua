@@ -2,6 +2,8 @@
 -- KEYS: 1 conf 2 used 3 resv 4 reserved 5 done 6 stats 7 results (stream) 8 hist 9 rate
 -- ARGV: 1 job id  2 prompt tokens  3 completion tokens (what the server generated)
 --       4 result row (JSON)  5 finish reason ('length' = cut by max_tokens)
+--       6 histogram bins (keys.HIST_BINS)  7 rate bucket width, s (keys.RATE_BUCKET_S)
+--       8 how long rate buckets are kept, s (keys.RATE_KEEP_S)
 -- What counts follows the dataset's conf: count = completion | total (prompt + completion);
 -- keep = complete sets results cut by max_tokens aside (side file, not counted).
 -- Returns {status, used}; status is one of
@@ -35,7 +37,8 @@ redis.call('SADD', KEYS[5], job)
 local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'max_tokens', 'count', 'keep')
 local tokens = generated
 if conf[4] == 'total' then tokens = tokens + tonumber(ARGV[2]) end
-local width = math.max(1, math.floor(tonumber(conf[3] or '64') / 64))
+local bins = tonumber(ARGV[6])
+local width = math.max(1, math.floor(tonumber(conf[3] or bins) / bins))
 redis.call('HINCRBY', KEYS[8], math.floor(generated / width), 1)
 redis.call('HINCRBY', KEYS[6], 'sum_completion', generated)
 -- With sum_completion, the spread of lengths: reserve.lua's end-game margin.
@@ -50,11 +53,12 @@ local used = redis.call('INCRBY', KEYS[2], tokens)
 redis.call('HINCRBY', KEYS[6], 'committed', 1)
 redis.call('HINCRBY', KEYS[6], 'sum_tokens', tokens)
 local now = redis.call('TIME')
-local bucket = tonumber(now[1]) - tonumber(now[1]) % 5
+local bucket_s = tonumber(ARGV[7])
+local bucket = tonumber(now[1]) - tonumber(now[1]) % bucket_s
 if redis.call('HINCRBY', KEYS[9], bucket, tokens) == tokens then
-  -- A new bucket: drop buckets older than an hour so the hash stays small.
+  -- A new bucket: drop buckets older than the keep time so the hash stays small.
   for _, f in ipairs(redis.call('HKEYS', KEYS[9])) do
-    if tonumber(f) < bucket - 3600 then redis.call('HDEL', KEYS[9], f) end
+    if tonumber(f) < bucket - tonumber(ARGV[8]) then redis.call('HDEL', KEYS[9], f) end
   end
 end
 redis.call('XADD', KEYS[7], '*', 'id', job, 'kind', 'row', 'row', ARGV[4])
