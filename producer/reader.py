@@ -25,7 +25,7 @@ from producer.seen import SeenIds
 from producer.sources import SourceError, SourceItem, detect_format, iter_rows
 from producer.tokenize import PromptEncoder
 from shared.config import DatasetConfig, ServerConfig
-from shared.identity import IdError, prompt_id, stable_id
+from shared.identity import IdError, has_surrogate, prompt_id, stable_id
 from shared.schema import Message
 
 DUPLICATE = "duplicate id"
@@ -116,6 +116,9 @@ def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, whe
         pid = _row_id(ds, row)
     except IdError as exc:
         return Invalid(line, f"{where}{exc}")
+    for i, m in enumerate(msgs):
+        if has_surrogate(m.content):  # the worker could never write its output row
+            return Invalid(line, f"{where}message {i} ({m.role}) holds a lone surrogate, which UTF-8 cannot encode")
     chars = prompt_chars(msgs)
     if ds.min_prompt_chars is not None and chars < ds.min_prompt_chars:
         return Filtered(line, f"{where}prompt has {chars} characters, fewer than min_prompt_chars "

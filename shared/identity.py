@@ -2,7 +2,8 @@
 
 - A **dataset name** fullmatches ``[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*`` and has at most 64
   characters: no ``--``, no leading or trailing ``-``.
-- A **prompt id** is any non-empty string (any Unicode, any length), or an integer
+- A **prompt id** is any non-empty string (any Unicode but lone surrogates, which UTF-8
+  cannot encode; any length), or an integer
   (``str(int)``; a float only when it is integral, e.g. 3.0 from an Arrow int column with
   nulls -> "3"). Booleans, lists, objects and null are rejected (``IdError``).
 - A **job id** is ``<dataset>--<enc(id)>``. ``enc(id)`` is the id itself when it fullmatches
@@ -37,6 +38,11 @@ SCHEME_FIELD = "id_scheme"
 SCHEME = "2"
 SCHEME_MIGRATED = "1+2"   # state of the old scheme exists: old job ids are recognised too
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_surrogate(text: str) -> bool:
+    return _SURROGATE.search(text) is not None
 
 
 class IdError(ValueError):
@@ -70,6 +76,10 @@ def prompt_id(value: Any, field: str) -> str:
     if isinstance(value, str):
         if value == "":
             raise IdError(f"id field {field!r} is empty")
+        if _SURROGATE.search(value):
+            # json.loads accepts "\ud800"; no UTF-8 file, JSON row or HTTP body can hold it.
+            raise IdError(f"id field {field!r} holds a lone surrogate ({_SURROGATE.search(value).group()!a}), "
+                          "which UTF-8 cannot encode")
         return value
     if isinstance(value, bool):
         raise IdError(f"id field {field!r} is a boolean ({value}), not a string or integer")

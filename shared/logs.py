@@ -41,7 +41,8 @@ URL_ENV = ("BUDGETQ_REDIS_URL", "RQ_DASHBOARD_REDIS_URL")
 
 # C0/C1 controls, DEL, and what str.splitlines() or a terminal treats as a line break or a
 # direction override (a crafted id could otherwise reorder what a reader sees).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# Lone surrogates too: stderr (UTF-8) cannot write them, and the record would be lost.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 _secrets: set[str] = set()
