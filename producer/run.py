@@ -288,6 +288,10 @@ class Producer:
                 on_tick(self)
             if all(f.complete for f in self.feeds) or self.stop_requested:
                 self.collector.drain()
+                for f in self.feeds:
+                    if f.invalid:
+                        log.warning("dataset %s: %d invalid rows (%d of them repeat an earlier id); reasons in %s",
+                                    f.ds.name, f.invalid, f.duplicate, self._invalid_files[f.ds.name])
                 if self.stop_requested:
                     log.warning("stopped on request with the run unfinished; `budgetq produce` again continues it")
                 break
