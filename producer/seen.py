@@ -3,7 +3,7 @@
 A run can read millions of ids; a Python ``set`` of 16-byte ``bytes`` costs ~100 bytes an
 id. This keeps the 16-byte sha256 prefix of each id (shared.identity.digest) in two
 ``uint64`` numpy arrays, an open-addressing table with linear probing, grown x2 at 2/3 load:
-16 / load = 24-48 bytes an id (bench: tests/test_identity_props.py measures it).
+17 / load = 26-51 bytes an id (tests/test_identity.py measures it; a Python set: ~77).
 A false "duplicate" needs two ids whose 128-bit digests agree.
 """
 

@@ -169,3 +169,51 @@ def test_a_run_started_with_the_old_job_ids_resumes_without_running_anything_twi
     run_to_completion(cfg, tmp_path, workers=1)
     assert int(conn.get(keys.used_key(ds))) == used and len(rows(out / "D.jsonl")) == 9
     assert len(sim_get(sim, "/sim/requests")) == 5
+
+
+def test_unexpected_errors_cost_only_their_row(tmp_path, redis_url, conn, monkeypatch):
+    """A row whose mapping raises something unexpected, one whose payload cannot be built, and one
+    RQ refuses at enqueue: each is recorded invalid; every other row of every dataset is enqueued."""
+    import producer.reader as reader
+    import producer.run as run
+    from shared.config import load_config
+
+    for name in ("E", "F"):
+        _write(tmp_path / f"{name}.jsonl", [{"id": f"p{i}", "prompt": f"q {i}"} for i in range(6)])
+    cfg = load_config(write_config(tmp_path, redis_url, ["http://127.0.0.1:1"],
+                                   [_ds(tmp_path, "E"), _ds(tmp_path, "F")]))
+    real_map, real_payload = reader.row_to_messages, run._payload
+
+    def flaky_map(ds, row):
+        if row["id"] == "p1":
+            raise RuntimeError("surprise")
+        return real_map(ds, row)
+
+    def flaky_payload(ds, p):
+        if p.id == "p2":
+            raise TypeError("cannot build")
+        return real_payload(ds, p)
+
+    monkeypatch.setattr(reader, "row_to_messages", flaky_map)
+    monkeypatch.setattr(run, "_payload", flaky_payload)
+    producer = run.Producer(cfg)
+    real_enqueue = producer.feeds[0].queue.enqueue_many
+
+    def picky_enqueue(data, pipeline=None):
+        if any(d.job_id == "E--p3" for d in data):
+            raise ValueError("refused by RQ")
+        return real_enqueue(data, pipeline=pipeline)
+
+    producer.feeds[0].queue.enqueue_many = picky_enqueue
+    for _ in range(5):
+        producer.tick()
+    assert all(f.ended for f in producer.feeds)
+    queued = {name: Queue(keys.queue_name(name), connection=conn, serializer=JSONSerializer).get_job_ids()
+              for name in ("E", "F")}
+    assert sorted(queued["E"]) == ["E--p0", "E--p4", "E--p5"]
+    assert sorted(queued["F"]) == ["F--p0", "F--p3", "F--p4", "F--p5"]
+    out = tmp_path / "out"
+    assert _invalid(out, "E") == {2: "unexpected error: RuntimeError: surprise",
+                                  3: "cannot enqueue: TypeError: cannot build",
+                                  4: "cannot enqueue: ValueError: refused by RQ"}
+    assert set(_invalid(out, "F")) == {2, 3}
