@@ -98,7 +98,11 @@ def sim_get(sim: str, path: str):
 
 
 def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The JSON lines of ``path``: split on "\n" only (splitlines() also splits inside a row whose
+    text holds U+0085 or U+2028, which JSON writes raw)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def check_invariants(conn: redis.Redis, out: Path, ds: str, valid_ids: list[str], count: str = "completion") -> dict:

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 from rq import Queue
-from rq.job import Job
-from rq.registry import FailedJobRegistry
+from rq.job import Job, validate_job_id
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
 from shared import keys
@@ -41,7 +41,7 @@ def _stat(conn, ds: str, field: str) -> int:
 
 def test_unicode_ids_and_colliding_old_job_ids_all_come_out_once(tmp_path, redis_url, conn, sim_factory):
     sim = sim_factory(*SIM)
-    hostile = ["café", "a b", "x/y", "a.b", "-lead", "日本語", "x" * 10_000, FORGED, "p0"]
+    hostile = ["café", "a b", "x/y", "a.b", "-lead", "日本語", "x" * 10_000, FORGED, "p0", "nel\x85ls\u2028"]
     _write(tmp_path / "A.jsonl", [{"id": i, "prompt": f"q {n}"} for n, i in enumerate(hostile)]
            + [{"id": 12, "prompt": "an integer id"}, {"id": "1-x0", "prompt": "collides in the old scheme"},
               {"id": ["l"], "prompt": "a list id"}, {"id": None, "prompt": "a null id"},
@@ -56,13 +56,19 @@ def test_unicode_ids_and_colliding_old_job_ids_all_come_out_once(tmp_path, redis
     assert [r["id"] for r in rows(out / "A-1.jsonl")] == ["x0"]
     check_invariants(conn, out, "A", want_a)
     check_invariants(conn, out, "A-1", ["x0"])
-    assert _invalid(out, "A") == {12: "id field 'id' is an array (['l']), not a string or integer",
-                                  13: "missing id field 'id'",
-                                  14: "id field 'id' is a boolean (True), not a string or integer"}
+    assert _invalid(out, "A") == {13: "id field 'id' is an array (['l']), not a string or integer",
+                                  14: "missing id field 'id'",
+                                  15: "id field 'id' is a boolean (True), not a string or integer"}
     assert _stat(conn, "A", "invalid") == 3
-    # every rid the server saw is an RQ job id: no "." in any of them, all RQ-legal
-    for req in sim_get(sim, "/sim/requests"):
-        assert "." not in req["rid"].split(".")[0]
+    # every job id is RQ-legal and holds no "." (the worker's per-attempt rid suffix starts with one);
+    # every request the server saw came from one of these jobs
+    job_ids = {jid for name in ("A", "A-1") for jid in FinishedJobRegistry(
+        keys.queue_name(name), connection=conn, serializer=JSONSerializer).get_job_ids(cleanup=False)}
+    assert len(job_ids) == len(want_a) + 1
+    for jid in job_ids:
+        validate_job_id(jid)
+        assert "." not in jid
+    assert {req["rid"].split(".")[0] for req in sim_get(sim, "/sim/requests")} == job_ids
     logs = "".join(Procs.log(p) for p in procs.procs)
     assert "Traceback" not in logs
     assert not any(line.startswith("2026-01-01") for line in logs.splitlines()), "a crafted id forged a log line"

@@ -30,7 +30,8 @@ IDS = (st.text(ANY_CHAR, min_size=0, max_size=40) | st.integers(-10**20, 10**20)
 PROMPTS = st.text(ANY_CHAR, max_size=30) | st.integers() | st.none() | st.sampled_from(["q", "  ", ""])
 MISSING = object()
 ROW = st.tuples(IDS | st.just(MISSING), PROMPTS | st.just(MISSING))
-LINE = ROW | st.text(st.characters(blacklist_characters="\n"), max_size=20).map(lambda t: "#" + t) | st.just("")
+GARBAGE = st.text(st.characters(exclude_characters="\n", exclude_categories=("Cs",)), max_size=20).map("#".__add__)
+LINE = ROW | GARBAGE | st.just("")
 
 
 def _line(item) -> str:

@@ -43,7 +43,7 @@ def test_generate_mode_sends_the_templated_input_ids(tmp_path, redis_url, conn, 
         msgs = row["conversations"][:-1]
         want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, enable_thinking=False)
         want = want["input_ids"] if isinstance(want, Mapping) else want
-        rec = by_rid[f"D-{row['id']}"]
+        rec = by_rid[f"D--{row['id']}"]
         assert rec["endpoint"] == "generate"
         assert rec["input_ids_head"] == list(want[:8]) and rec["prompt_tokens"] == len(want)
         assert row["prompt_tokens"] == len(want)  # the server's count of what we sent
