@@ -81,7 +81,8 @@ def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None) -> Gene
             except Exception as exc:  # noqa: BLE001 - whatever a row does, it costs only that row
                 out = Invalid(item.line, f"{where}unexpected error: {type(exc).__name__}: {exc}")
             if isinstance(out, Prompt) and not seen.add(out.id):
-                out = Invalid(out.line, f"{where}{DUPLICATE} {out.id!r} (an earlier row has it; the first one is kept)",
+                shown = repr(out.id) if len(out.id) <= 80 else repr(out.id[:80]) + "..."
+                out = Invalid(out.line, f"{where}{DUPLICATE} {shown} (an earlier row has it; the first one is kept)",
                               duplicate=True)
             yield out
             if isinstance(out, Prompt):

@@ -7,9 +7,9 @@ are adopted first. Job ids come from shared/identity.py; a dataset whose Redis s
 written with the old id scheme is recognised under both (producer/migrate.py). A bad row
 costs only that row: whatever goes wrong reading, mapping, tokenizing or enqueueing it is
 recorded in out/<ds>.invalid.jsonl with the reason, once (a restart that reads the same
-row again does not record it twice), and counted. A dataset is complete when its reading has ended (rows exhausted, or
-budget reached) and no job of it is queued or started; a paused dataset's queued jobs keep
-the run waiting until it is resumed.
+row again does not record it twice), and counted. A dataset is complete when its reading
+has ended (rows exhausted, or budget reached) and no job of it is queued or started; a
+paused dataset's queued jobs keep the run waiting until it is resumed.
 """
 
 from __future__ import annotations
