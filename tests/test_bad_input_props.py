@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producer.reader import Invalid, Prompt, read_prompts
+from shared import keys
 from shared.config import DatasetConfig, ServerConfig
 from shared.identity import IdError, has_surrogate, prompt_id
-from tests.helpers import Procs, check_invariants, rows, run_to_completion, write_config
+from tests.helpers import Procs, check_invariants, rows, wait_for, write_config
 
 ANY_CHAR = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())
 IDS = (st.text(ANY_CHAR, min_size=0, max_size=40) | st.integers(-10**20, 10**20) | st.booleans() | st.none()
@@ -107,7 +108,16 @@ def test_every_valid_unique_row_comes_out_exactly_once_end_to_end(tmp_path, redi
                       "shuffle": shuffle, "sampling": {"max_tokens": 100}})
     cfg = write_config(work, redis_url, [sim], specs, producer={"high_water": high_water},
                        worker={"concurrency": concurrency})
-    procs = run_to_completion(cfg, work, workers=1, timeout_s=120)
+    procs = Procs(cfg, work)
+    try:
+        procs.worker()
+        # ready before the producer starts: a dataset of only bad rows ends the run at once, and a
+        # SIGINT during the worker's imports would print a KeyboardInterrupt traceback
+        wait_for(lambda: conn.scard(keys.WORKERS) > 0, 60, "the worker to register")
+        producer = procs.producer()
+        assert producer.wait(120) == 0, Procs.log(producer)
+    finally:
+        procs.stop_all()
     logs = "".join(Procs.log(p) for p in procs.procs)
     assert "Traceback" not in logs, logs[-3000:]
     for name in names:
