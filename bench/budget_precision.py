@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import _common as c
 
 from shared import keys
+from shared.identity import job_id
 from shared.tokens import format_tokens, parse_tokens
 
 MEANS = {"A1": 1577, "B2": 3793}
@@ -132,8 +133,9 @@ def crossing_times(kept: list[dict], budget: int, fractions: tuple[float, ...]) 
 
 def analyse(ds: str, budget: int, records: list[dict], kept_ids: set[str]) -> tuple[int, float, float]:
     """(generated tokens, wall s 95%->done, ideal wall s) of one dataset from the simulator's records."""
-    mine = [r for r in records if r["rid"].startswith(f"{ds}-")]
-    kept = [r for r in mine if r["rid"].removeprefix(f"{ds}-") in kept_ids]
+    mine = [r for r in records if r["rid"].startswith(f"{ds}--")]
+    kept_jobs = {job_id(ds, k) for k in kept_ids}
+    kept = [r for r in mine if r["rid"].split(".")[0] in kept_jobs]  # rid = job id [+ ".<attempt>"]
     generated = sum(r["completion_tokens"] for r in mine)
     t80, t90, t95 = crossing_times(kept, budget, (0.80, 0.90, 0.95))
     done = max(r["finished"] for r in mine)

@@ -33,6 +33,7 @@ import _common as c
 from budget_precision import Sampler
 
 from shared import keys
+from shared.identity import job_id, split_job_id
 from shared.tokens import format_tokens
 from worker.sglang_client import job_id_of_rid
 
@@ -106,10 +107,6 @@ def _summary(case: str, variant: str, runs: list[Result]) -> list[object]:
             f"{statistics.median(r.efficiency for r in runs):.3f}", "yes" if all(r.in_bounds for r in runs) else "NO"]
 
 
-def _dataset_of(job_id: str, names: list[str]) -> str | None:
-    return next((n for n in names if job_id.startswith(n + "-")), None)
-
-
 def _tail(records: list[dict], kept_jobs: set[str], total_budget: int) -> tuple[float, float, float, float]:
     """(t95, t_done, steady rate tok/s, first arrival) in simulated-time units of the records."""
     kept = sorted((r for r in records if job_id_of_rid(r["rid"]) in kept_jobs), key=lambda r: r["finished"])
@@ -126,7 +123,6 @@ def _tail(records: list[dict], kept_jobs: set[str], total_budget: int) -> tuple[
 def run_case(stack: c.Stack, sim: c.Sim, case: Case, variant: str, speedup: float) -> Result:
     stack.flush()
     sim.reset()
-    names = sorted(case.datasets, key=len, reverse=True)
     datasets = []
     for ds, mean in case.datasets.items():
         path = stack.dir / f"{ds}-{case.budget}.jsonl"
@@ -155,8 +151,6 @@ def run_case(stack: c.Stack, sim: c.Sim, case: Case, variant: str, speedup: floa
     sim.wait_idle(120)
     records = sim.records()
     conn = stack.conn()
-    from shared.schema import safe_job_id
-
     kept_jobs: set[str] = set()
     used_total, ratios, overs = 0, [], []
     for ds in case.datasets:
@@ -165,8 +159,8 @@ def run_case(stack: c.Stack, sim: c.Sim, case: Case, variant: str, speedup: floa
         ratios.append(used / case.budget)
         overs.append(used - case.budget)
         lines = (stack.dir / "out" / f"{ds}.jsonl").read_text().splitlines()
-        kept_jobs |= {safe_job_id(ds, json.loads(line)["id"]) for line in lines}
-    mine = [r for r in records if _dataset_of(job_id_of_rid(r["rid"]), names)]
+        kept_jobs |= {job_id(ds, json.loads(line)["id"]) for line in lines}
+    mine = [r for r in records if split_job_id(job_id_of_rid(r["rid"]))[0] in case.datasets]
     generated = sum(r["completion_tokens"] for r in mine)
     total_budget = case.budget * len(case.datasets)
     t95, done, rate, first = _tail(mine, kept_jobs, total_budget)

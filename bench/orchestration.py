@@ -25,6 +25,7 @@ import _common as c
 from rq.utils import utcparse
 
 from shared import keys
+from shared.identity import job_id
 
 DS = "O1"
 TARGET = 1000.0
@@ -68,7 +69,7 @@ def job_window(conn, n: int) -> float:
     """Seconds from the first job's start to the last job's end (RQ's own timestamps)."""
     pipe = conn.pipeline(transaction=False)
     for i in range(n):
-        pipe.hmget(keys.rq_job_key(f"{DS}-p{i}"), "started_at", "ended_at")
+        pipe.hmget(keys.rq_job_key(job_id(DS, f"p{i}")), "started_at", "ended_at")
     stamps = pipe.execute()
     missing = sum(1 for s, e in stamps if not s or not e)
     if missing:

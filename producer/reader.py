@@ -4,6 +4,14 @@ Streams a dataset (JSONL, JSON array, Parquet, HF; see producer/sources.py) row 
 ``Prompt`` (ready to enqueue), ``Invalid`` (bad row, with the reason) or ``Filtered`` (skipped
 by the length filter, not an error). ``line`` is the 1-based line for JSONL and the 1-based
 row index for the other formats (their reasons start with "row N").
+
+A bad row costs only that row: any error while mapping, identifying or tokenizing it
+(expected or not) becomes an ``Invalid`` with the reason. Ids are checked here too: the first
+row with an id wins, in processing order (file order, or the seeded shuffle order, which is
+the same on every run with the same seed); a later row with the same id is
+``Invalid(reason="duplicate id ...")``, whatever its content. Ids already done in an
+earlier run are still "seen" here first (the run skips them later), so a restart never
+flags the first occurrence itself.
 """
 
 from __future__ import annotations
@@ -13,10 +21,14 @@ from dataclasses import dataclass
 
 from producer.arrow_sources import plain
 from producer.mapping import prompt_chars, row_to_messages
+from producer.seen import SeenIds
 from producer.sources import SourceError, SourceItem, detect_format, iter_rows
 from producer.tokenize import PromptEncoder
 from shared.config import DatasetConfig, ServerConfig
-from shared.schema import Message, stable_id
+from shared.identity import IdError, has_surrogate, prompt_id, stable_id
+from shared.schema import Message
+
+DUPLICATE = "duplicate id"
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,7 @@ class Prompt:
 class Invalid:
     line: int
     reason: str
+    duplicate: bool = False   # a later row repeating an earlier row's id
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,19 @@ def read_prompts(ds: DatasetConfig, server: ServerConfig) -> Iterator[Item]:
 
 def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None) -> Generator[Item, None, None]:
     rows = iter_rows(ds, fmt)
+    seen = SeenIds()
     valid = 0
     try:
         for item in rows:
-            out = _one(ds, item, encoder, "" if fmt == "jsonl" else f"row {item.line}: ")
+            where = "" if fmt == "jsonl" else f"row {item.line}: "
+            try:
+                out = _one(ds, item, encoder, where)
+            except Exception as exc:  # noqa: BLE001 - whatever a row does, it costs only that row
+                out = Invalid(item.line, f"{where}unexpected error: {type(exc).__name__}: {exc}")
+            if isinstance(out, Prompt) and not seen.add(out.id):
+                shown = repr(out.id) if len(out.id) <= 80 else repr(out.id[:80]) + "..."
+                out = Invalid(out.line, f"{where}{DUPLICATE} {shown} (an earlier row has it; the first one is kept)",
+                              duplicate=True)
             yield out
             if isinstance(out, Prompt):
                 valid += 1
@@ -71,10 +93,12 @@ def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None) -> Gene
         rows.close()  # releases files and the shuffle spill when the caller stops early
 
 
-def _row_id(ds: DatasetConfig, row: dict) -> str | None:
+def _row_id(ds: DatasetConfig, row: dict) -> str:
+    """The row's prompt id (string form); IdError naming the field if it cannot be one."""
     if ds.id_field:
-        value = row.get(ds.id_field)
-        return None if value in (None, "") else str(value)
+        if ds.id_field not in row or row[ds.id_field] is None:
+            raise IdError(f"missing id field {ds.id_field!r}")
+        return prompt_id(row[ds.id_field], ds.id_field)
     try:
         return stable_id(row)
     except (TypeError, ValueError):  # Arrow values JSON cannot hold (bytes, dates, decimals)
@@ -89,9 +113,13 @@ def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, whe
         msgs = row_to_messages(ds, row)
     except ValueError as exc:
         return Invalid(line, f"{where}{exc}")
-    pid = _row_id(ds, row)
-    if pid is None:
-        return Invalid(line, f"{where}missing id field {ds.id_field!r}")
+    try:
+        pid = _row_id(ds, row)
+    except IdError as exc:
+        return Invalid(line, f"{where}{exc}")
+    for i, m in enumerate(msgs):
+        if has_surrogate(m.content):  # the worker could never write its output row
+            return Invalid(line, f"{where}message {i} ({m.role}) holds a lone surrogate, which UTF-8 cannot encode")
     chars = prompt_chars(msgs)
     if ds.min_prompt_chars is not None and chars < ds.min_prompt_chars:
         return Filtered(line, f"{where}prompt has {chars} characters, fewer than min_prompt_chars "

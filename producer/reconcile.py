@@ -19,10 +19,11 @@ from pathlib import Path
 import redis
 
 from producer.collector import output_paths
+from producer.migrate import id_scheme
 from shared import budget, keys
 from shared.config import Config, DatasetConfig
 from shared.errors import BudgetqError
-from shared.schema import safe_job_id
+from shared.identity import SCHEME_MIGRATED, job_id, legacy_job_id
 from shared.scripts import run
 
 log = logging.getLogger("budgetq.reconcile")
@@ -37,7 +38,7 @@ def _counted(ds: DatasetConfig, row: dict, kind: str) -> int:
 
 
 def rows_on_disk(out_dir: Path, ds: DatasetConfig) -> Iterator[tuple[str, int, int]]:
-    """(job id, counted or -1, completion tokens) for every readable row of the dataset's output files."""
+    """(prompt id, counted or -1, completion tokens) for every readable row of the dataset's output files."""
     for kind, path in output_paths(out_dir, ds.name).items():
         if not path.exists():
             continue
@@ -45,7 +46,7 @@ def rows_on_disk(out_dir: Path, ds: DatasetConfig) -> Iterator[tuple[str, int, i
             for line_no, line in enumerate(fh, start=1):
                 try:
                     row = json.loads(line)
-                    yield safe_job_id(ds.name, row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
+                    yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
                 except (ValueError, KeyError, TypeError) as exc:
                     log.warning("%s:%d: unreadable row skipped: %s", path, line_no, exc)
 
@@ -55,18 +56,24 @@ def _rows_in_stream(conn: redis.Redis, ds: DatasetConfig) -> Iterator[tuple[str,
     for _eid, fields in conn.xrange(keys.results_key(ds.name), min=f"({cursor}"):
         row = json.loads(fields[b"row"])
         kind = fields.get(b"kind", b"row").decode()
-        yield safe_job_id(ds.name, row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
+        yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
 
 
-def adopt_missing(conn: redis.Redis, rows: Iterator[tuple[str, int, int]], ds: str) -> tuple[int, int]:
-    """Adopt rows whose job id is not in the done set; returns (adopted, tokens added)."""
+def adopt_missing(conn: redis.Redis, rows: Iterator[tuple[str, int, int]], ds: str,
+                  legacy: bool = False) -> tuple[int, int]:
+    """Adopt (prompt id, counted, completion) rows whose job id is not in the done set (nor,
+    with ``legacy``, their old-scheme job id); returns (adopted, tokens added)."""
     adopted = added = 0
     batch: list[tuple[str, int, int]] = []
 
     def flush() -> None:
         nonlocal adopted, added
-        present = conn.smismember(keys.done_key(ds), [b[0] for b in batch])
-        missing = [b for b, p in zip(batch, present, strict=True) if not p]
+        ids = [job_id(ds, b[0]) for b in batch]
+        present = conn.smismember(keys.done_key(ds), ids)
+        if legacy:
+            old = conn.smismember(keys.done_key(ds), [legacy_job_id(ds, b[0]) for b in batch])
+            present = [p or o for p, o in zip(present, old, strict=True)]
+        missing = [(j, c, n) for j, (_pid, c, n), p in zip(ids, batch, present, strict=True) if not p]
         if missing:
             a, t = run(conn, budget.adopt(ds, missing))
             adopted += a
@@ -114,9 +121,13 @@ def reconcile(conn: redis.Redis, cfg: Config, ds: DatasetConfig, rebuild: bool =
     stream = {j: (c, n) for j, c, n in _rows_in_stream(conn, ds) if j not in disk}
     everything = {**disk, **stream}
     expected = sum(c for c, _n in everything.values() if c >= 0)
-    adopted, added = adopt_missing(conn, ((j, c, n) for j, (c, n) in everything.items()), ds.name)
+    legacy = id_scheme(conn, ds.name) == SCHEME_MIGRATED
+    adopted, added = adopt_missing(conn, ((j, c, n) for j, (c, n) in everything.items()), ds.name, legacy)
+    known = {job_id(ds.name, pid) for pid in everything}
+    if legacy:
+        known |= {legacy_job_id(ds.name, pid) for pid in everything}
     stale = [m.decode() for m in conn.sscan_iter(keys.done_key(ds.name), count=1000)
-             if m.decode() not in everything]
+             if m.decode() not in known]
     if rebuild:
         pipe = conn.pipeline()
         if stale:

@@ -3,9 +3,13 @@
 Restart-safe: a new producer on the same Redis and output dir continues where the last one
 stopped. Prompts already committed (done set), already queued or running, or failed
 (waiting for `budgetq retry-failed`) are not enqueued again; rows on disk that Redis forgot
-are adopted first. A dataset is complete when its reading has ended (rows exhausted, or
-budget reached) and no job of it is queued or started; a paused dataset's queued jobs keep
-the run waiting until it is resumed.
+are adopted first. Job ids come from shared/identity.py; a dataset whose Redis state was
+written with the old id scheme is recognised under both (producer/migrate.py). A bad row
+costs only that row: whatever goes wrong reading, mapping, tokenizing or enqueueing it is
+recorded in out/<ds>.invalid.jsonl with the reason, once (a restart that reads the same
+row again does not record it twice), and counted. A dataset is complete when its reading
+has ended (rows exhausted, or budget reached) and no job of it is queued or started; a
+paused dataset's queued jobs keep the run waiting until it is resumed.
 """
 
 from __future__ import annotations
@@ -14,24 +18,29 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import redis
 from rq import Queue
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from producer.collector import Collector
 from producer.meta import check_and_write_meta
+from producer.migrate import id_scheme
 from producer.reader import Filtered, Invalid, Prompt, read_prompts
 from producer.reconcile import adopt_missing, rows_on_disk
 from shared import keys
 from shared.budget import dataset_state, register_dataset
 from shared.config import Config, DatasetConfig
+from shared.identity import SCHEME_MIGRATED, job_id, legacy_job_id
+from shared.logs import safe
 from shared.maintenance import Maintenance
 from shared.redis_conn import connect
 from shared.retry import REDIS_DOWN
 from shared.sampling import resolve_datasets
-from shared.schema import JobPayload, safe_job_id
+from shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.producer")
 JOB_FUNC = "worker.job.run_prompt"  # by name: producer never imports worker
@@ -45,8 +54,11 @@ class Feed:
     ds: DatasetConfig
     rows: Iterator[Prompt | Invalid | Filtered]
     queue: Queue
+    legacy: bool = False     # Redis may still hold job ids of the old scheme (see producer/migrate.py)
+    pending: list[Prompt] = field(default_factory=list)  # read, not yet enqueued (kept over a Redis outage)
     enqueued: int = 0
     invalid: int = 0
+    duplicate: int = 0
     filtered: int = 0
     already_done: int = 0
     already_live: int = 0
@@ -59,6 +71,20 @@ class Feed:
         if self.halted:
             return "budget reached"
         return "rows exhausted" if self.ended else "running"
+
+
+def _recorded_invalid(path: Path) -> set[tuple[int, str]]:
+    """(line, reason) of every bad row an earlier run already wrote to ``path``."""
+    seen: set[tuple[int, str]] = set()
+    if path.exists():
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                    seen.add((int(rec["line"]), str(rec["reason"])))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return seen
 
 
 def _payload(ds: DatasetConfig, p: Prompt) -> dict:
@@ -77,12 +103,17 @@ class Producer:
         for ds in cfg.datasets:
             register_dataset(self.conn, ds)
             q = Queue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
-            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q))
+            legacy = id_scheme(self.conn, ds.name) == SCHEME_MIGRATED
+            if legacy:
+                log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "
+                         "recognised too, so nothing already done, queued or failed runs again", ds.name)
+            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy))
         self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
-        for ds in cfg.datasets:
+        for f in self.feeds:
+            ds = f.ds
             for warning in check_and_write_meta(cfg, ds, cfg.output_dir):
                 log.warning(warning)
-            adopted, tokens = adopt_missing(self.conn, rows_on_disk(cfg.output_dir, ds), ds.name)
+            adopted, tokens = adopt_missing(self.conn, rows_on_disk(cfg.output_dir, ds), ds.name, legacy=f.legacy)
             if adopted:
                 log.warning("dataset %s: %d rows on disk were not in Redis's done set (Redis lost data?): "
                             "adopted them (+%d tokens) so they are not generated again", ds.name, adopted, tokens)
@@ -90,11 +121,17 @@ class Producer:
         self.stop_requested = False
         self._maintained_at = 0.0
         self._invalid_files = {d.name: cfg.output_dir / f"{d.name}.invalid.jsonl" for d in cfg.datasets}
+        self._recorded = {d.name: _recorded_invalid(self._invalid_files[d.name]) for d in cfg.datasets}
 
     def _record_invalid(self, f: Feed, bad: Invalid) -> None:
+        """Count a bad row, and write it down unless an earlier run already did (same line, same reason)."""
         f.invalid += 1
-        msg = f"dataset {f.ds.name}: {f.ds.path}:{bad.line}: invalid row: {bad.reason}"
-        log.warning(msg)
+        if bad.duplicate:
+            f.duplicate += 1
+        if (bad.line, bad.reason) in self._recorded[f.ds.name]:
+            return
+        self._recorded[f.ds.name].add((bad.line, bad.reason))
+        log.warning("dataset %s: %s:%d: invalid row: %s", f.ds.name, f.ds.path, bad.line, bad.reason)
         with open(self._invalid_files[f.ds.name], "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"line": bad.line, "file": str(f.ds.path), "reason": bad.reason}) + "\n")
         self.conn.hincrby(keys.stats_key(f.ds.name), "invalid", 1)
@@ -103,8 +140,8 @@ class Producer:
         """The budget was raised after it was reached: skipped jobs run after all, reading resumes."""
         registry = CanceledJobRegistry(f.queue.name, connection=self.conn, serializer=JSONSerializer)
         ids = registry.get_job_ids(cleanup=False)
-        for job_id in ids:
-            registry.requeue(job_id)
+        for jid in ids:
+            registry.requeue(jid)
         f.halted = False
         log.info("dataset %s: budget raised: requeued %d skipped jobs, reading resumes", f.ds.name, len(ids))
 
@@ -121,49 +158,97 @@ class Producer:
         if f.ended:
             return
         room = self.cfg.high_water - f.queue.count
-        batch: list[Prompt] = []
-        while len(batch) < room:
-            item = next(f.rows, None)
+        while len(f.pending) < room and not f.ended:
+            try:
+                item = next(f.rows, None)
+            except Exception as exc:  # noqa: BLE001 - the source itself broke: end this dataset only
+                log.error("dataset %s: reading %s stopped: %s: %s", f.ds.name, f.ds.path, type(exc).__name__, exc)
+                self._record_invalid(f, Invalid(0, f"reading stopped: {type(exc).__name__}: {exc}"))
+                item = None
             if item is None:
                 f.ended = True
-                break
-            if isinstance(item, Invalid):
+            elif isinstance(item, Invalid):
                 self._record_invalid(f, item)
             elif isinstance(item, Filtered):
                 f.filtered += 1
             else:
-                batch.append(item)
-        if batch:
-            self._enqueue(f, batch)
+                f.pending.append(item)
+        if f.pending:
+            # Kept in f.pending until enqueued: a Redis outage here loses no row.
+            self._enqueue(f, f.pending)
+            f.pending = []
+
+    def _job_ids(self, f: Feed, p: Prompt) -> list[str]:
+        """The job ids this prompt may have in Redis: today's, and the old scheme's if it was in use."""
+        new = job_id(f.ds.name, p.id)
+        return [new, legacy_job_id(f.ds.name, p.id)] if f.legacy else [new]
+
+    def _known(self, f: Feed, batch: list[Prompt]) -> list[str | None]:
+        """Per prompt: 'done', 'live' (queued, running, failed or skipped-and-kept), or None (new)."""
+        ids = [self._job_ids(f, p) for p in batch]
+        flat = [j for js in ids for j in js]
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.smismember(keys.done_key(f.ds.name), flat)
+        for jid in flat:
+            pipe.hmget(keys.rq_job_key(jid), ["status", "origin"])
+        done, *jobs = pipe.execute()
+        by_id = {j: (bool(d), st, origin) for j, d, (st, origin) in zip(flat, done, jobs, strict=True)}
+        out: list[str | None] = []
+        queue = f.queue.name.encode()
+        for js in ids:
+            state = None
+            for j in js:
+                is_done, status, origin = by_id[j]
+                if is_done:
+                    state = "done"
+                    break
+                # An old-format id may be another dataset's job (the old scheme collided): check its queue.
+                if status in _LIVE and (origin is None or origin == queue):
+                    state = "live"
+            out.append(state)
+        return out
 
     def _enqueue(self, f: Feed, batch: list[Prompt]) -> None:
-        job_ids = [safe_job_id(f.ds.name, p.id) for p in batch]
-        pipe = self.conn.pipeline(transaction=False)
-        pipe.smismember(keys.done_key(f.ds.name), job_ids)
-        for jid in job_ids:
-            pipe.hget(keys.rq_job_key(jid), "status")
-        done, *statuses = pipe.execute()
-        unique: dict[str, Prompt] = {}
-        for jid, p, is_done, status in zip(job_ids, batch, done, statuses, strict=True):
-            if is_done:
-                f.already_done += 1
-            elif status in _LIVE:
-                f.already_live += 1  # queued or running from an earlier producer, or failed
-            elif jid in unique:
-                log.warning("dataset %s: line %d repeats prompt id %s; kept once", f.ds.name, p.line, p.id)
-            else:
-                unique[jid] = p
-        if not unique:
+        data: dict[str, dict] = {}
+        states = self._known(f, batch)
+        for p, state in zip(batch, states, strict=True):
+            if state is not None:  # done, or queued / running / failed from an earlier producer
+                continue
+            jid = job_id(f.ds.name, p.id)
+            if jid in data:  # the reader drops repeated ids; this only guards a digest collision
+                self._record_invalid(f, Invalid(p.line, f"duplicate id {p.id!r} in one batch", duplicate=True))
+                continue
+            try:
+                data[jid] = Queue.prepare_data(JOB_FUNC, args=(_payload(f.ds, p),), job_id=jid, timeout=-1,
+                                               result_ttl=500, failure_ttl=FAILURE_TTL_S,
+                                               description=f"{f.ds.name}:{safe(p.id)[:120]}")
+            except Exception as exc:  # noqa: BLE001 - one row that cannot become a job costs only that row
+                self._record_invalid(f, Invalid(p.line, f"cannot enqueue: {type(exc).__name__}: {exc}"))
+        f.already_done += states.count("done")
+        f.already_live += states.count("live")
+        if not data:
             return
-        data = [Queue.prepare_data(JOB_FUNC, args=(_payload(f.ds, p),), job_id=jid, timeout=-1,
-                                   result_ttl=500, failure_ttl=FAILURE_TTL_S, description=f"{f.ds.name}:{p.id}")
-                for jid, p in unique.items()]
+        try:
+            self._push(f, list(data.items()))
+        except (*REDIS_DOWN, redis.RedisError):
+            raise  # Redis itself: the batch stays pending, the run loop waits
+        except Exception:  # noqa: BLE001 - find the row that RQ refuses; the others still go
+            for item in data.items():
+                try:
+                    self._push(f, [item])
+                except (*REDIS_DOWN, redis.RedisError):
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    line = next(p.line for p in batch if job_id(f.ds.name, p.id) == item[0])
+                    self._record_invalid(f, Invalid(line, f"cannot enqueue: {type(exc).__name__}: {exc}"))
+
+    def _push(self, f: Feed, items: list[tuple[str, object]]) -> None:
         canceled = CanceledJobRegistry(f.queue.name, connection=self.conn, serializer=JSONSerializer).key
         with self.conn.pipeline() as pipe:
-            pipe.zrem(canceled, *unique)  # skipped before, enqueued again now
-            f.queue.enqueue_many(data, pipeline=pipe)
+            pipe.zrem(canceled, *[jid for jid, _ in items])  # skipped before, enqueued again now
+            f.queue.enqueue_many([d for _, d in items], pipeline=pipe)
             pipe.execute()
-        f.enqueued += len(unique)
+        f.enqueued += len(items)
 
     def _check_complete(self, f: Feed) -> None:
         if not (f.ended or f.halted):
@@ -205,6 +290,10 @@ class Producer:
                 on_tick(self)
             if all(f.complete for f in self.feeds) or self.stop_requested:
                 self.collector.drain()
+                for f in self.feeds:
+                    if f.invalid:
+                        log.warning("dataset %s: %d invalid rows (%d of them repeat an earlier id); reasons in %s",
+                                    f.ds.name, f.invalid, f.duplicate, self._invalid_files[f.ds.name])
                 if self.stop_requested:
                     log.warning("stopped on request with the run unfinished; `budgetq produce` again continues it")
                 break
@@ -222,7 +311,7 @@ class Producer:
                 "dataset": f.ds.name, "budget": st.limit, "used": st.used, "rows": self.collector.rows(f.ds.name),
                 "truncated": st.stats.get("truncated", 0), "enqueued": f.enqueued,
                 "skipped": st.stats.get("skipped", 0), "aborted": st.stats.get("aborted", 0), "failed": failed,
-                "invalid": f.invalid, "filtered": f.filtered, "already_done": f.already_done,
+                "invalid": f.invalid, "duplicate": f.duplicate, "filtered": f.filtered, "already_done": f.already_done,
                 "wasted_tokens": st.stats.get("wasted_tokens", 0), "stop": f.stop_reason,
             })
         return rows

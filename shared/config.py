@@ -9,15 +9,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.errors import ConfigError
+from shared.identity import NAME_PATTERN, IdError, check_name
 from shared.sampling import extra_key_errors
 from shared.schema import SamplingParams
 from shared.tokens import parse_tokens
 
 TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
-_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+# Dataset names: the rule lives in shared/identity.py (job ids and key names depend on it).
+_NAME = re.compile(NAME_PATTERN.pattern)
 # Sampling parameters a dataset may also give at its own level, as shorthand for sampling.<name>.
 SAMPLING_SHORTHAND = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "seed")
 
@@ -140,10 +142,16 @@ class DatasetConfig(_Strict):
         data["sampling"] = sampling
         return data
 
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        try:
+            return check_name(name)  # fullmatch: "A1\n" and "A--B" are refused, as are names over 64 chars
+        except IdError as exc:
+            raise ValueError(str(exc)) from None
+
     @model_validator(mode="after")
     def _check(self) -> DatasetConfig:
-        if not _NAME.match(self.name):
-            raise ValueError(f"dataset name {self.name!r} may hold only letters, digits, '_' and '-'")
         fields = [f for f in (self.prompt_field, self.messages_field, self.conversations_field) if f]
         if len(fields) > 1:
             raise ValueError(f"dataset {self.name}: set one of prompt_field, messages_field, "

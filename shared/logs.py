@@ -7,6 +7,14 @@ never reach a log line. Two layers make that hold whatever the call site does:
 - ``redact()`` masks credentials in any URL (``scheme://user:PASSWORD@``), bearer tokens,
   and every literal registered with ``register_secret()`` (filled from the BUDGETQ_* env
   vars at setup, and from a loaded config by ``register_config_secrets``).
+
+Ids, names and values from datasets and servers are hostile input: a prompt id holding
+"\n2026-01-01 ... WARNING ..." would forge a log line, "\x1b[2J" would clear a terminal.
+``escape()`` shows every control character as ``\n``, ``\x1b``, ``\u2028``, ...; the text
+formatter applies it to every message, extra field and exception message (a traceback keeps
+its own line structure), so no call site can forget it; JSON lines are escaped by the
+encoder, plus the line separators it leaves raw. ``safe(value)`` is the same for one value
+going anywhere else (a job description, a status line).
 """
 
 from __future__ import annotations
@@ -31,8 +39,50 @@ _BEARER = re.compile(r"(?P<head>\bBearer\s+)[^\s'\",}]+", re.IGNORECASE)
 SECRET_ENV = ("BUDGETQ_API_KEY", "BUDGETQ_MONITOR_PASSWORD", "REDIS_PASSWORD", "RQ_DASHBOARD_PASSWORD")
 URL_ENV = ("BUDGETQ_REDIS_URL", "RQ_DASHBOARD_REDIS_URL")
 
+# C0/C1 controls, DEL, and what str.splitlines() or a terminal treats as a line break or a
+# direction override (a crafted id could otherwise reorder what a reader sees).
+# Lone surrogates too: stderr (UTF-8) cannot write them, and the record would be lost.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
 _secrets: set[str] = set()
 _lock = threading.Lock()
+
+
+def _esc(m: re.Match[str]) -> str:
+    ch = m.group()
+    if ch in _NAMED:
+        return _NAMED[ch]
+    return f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}"
+
+
+def escape(text: str) -> str:
+    """``text`` with every control character shown escaped (``\n``, ``\x1b``, ``\u2028``); one line."""
+    return _CONTROL.sub(_esc, text) if text else text
+
+
+def safe(value: Any) -> str:
+    """Any value as one printable line (``str()``, control characters escaped)."""
+    return escape(value if isinstance(value, str) else str(value))
+
+
+def format_exception(exc_info: Any) -> str:
+    """A traceback, with each exception's message escaped (the frames are our code, not input)."""
+    try:
+        te = traceback.TracebackException(*exc_info)
+        stack, todo = set(), [te]
+        while todo:
+            t = todo.pop()
+            if id(t) in stack:
+                continue
+            stack.add(id(t))
+            if isinstance(getattr(t, "_str", None), str):
+                t._str = escape(t._str)
+            todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+            todo += list(getattr(t, "exceptions", None) or [])
+        return "".join(te.format()).rstrip("\n")
+    except Exception:  # noqa: BLE001 - never lose the record over its traceback
+        return escape("".join(traceback.format_exception(*exc_info)))
 
 
 def register_secret(value: str | None) -> None:
@@ -102,7 +152,7 @@ class RedactFilter(logging.Filter):
             message = f"{record.msg!r} % {record.args!r}"
         record.msg, record.args = redact(message), None
         if record.exc_info and record.exc_info[0] is not None:
-            record.exc_text = redact("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+            record.exc_text = redact(format_exception(record.exc_info))
             record.exc_info = None
         elif record.exc_text:
             record.exc_text = redact(record.exc_text)
@@ -136,10 +186,11 @@ class JsonFormatter(logging.Formatter):
         if record.exc_text:
             out["exc"] = record.exc_text
         elif record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = format_exception(record.exc_info)
         if record.stack_info:
             out["stack"] = record.stack_info
-        return json.dumps(out, ensure_ascii=False, default=str)
+        # json escapes C0 controls; U+2028/2029 (and C1) it leaves raw, and splitlines() breaks on them.
+        return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(out, ensure_ascii=False, default=str))
 
 
 class TextFormatter(logging.Formatter):
@@ -149,9 +200,20 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(name)s %(levelname)s %(message)s")
 
+    def formatException(self, ei: Any) -> str:  # noqa: N802 - logging's name
+        return format_exception(ei)
+
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        extras = [f"{k}={v}" for k, v in record.__dict__.items() if k not in _STANDARD]
+        saved = record.msg, record.args
+        try:
+            record.msg, record.args = escape(record.getMessage()), None
+        except Exception:  # noqa: BLE001 - a bad format string must not lose the record
+            record.msg, record.args = escape(f"{record.msg!r} % {record.args!r}"), None
+        try:
+            line = super().format(record)
+        finally:
+            record.msg, record.args = saved
+        extras = [f"{k}={safe(v)}" for k, v in record.__dict__.items() if k not in _STANDARD]
         if not extras:
             return line
         head, sep, tail = line.partition("\n")

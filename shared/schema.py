@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -78,16 +76,3 @@ class ResultRow(BaseModel):
     endpoint: str
     latency_s: float
 
-
-def stable_id(row: dict[str, Any]) -> str:
-    """A prompt id from the row's content, stable across runs and machines."""
-    blob = json.dumps(row, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def safe_job_id(dataset: str, prompt_id: str) -> str:
-    """RQ job ids allow only letters, digits, '_' and '-': encode anything else."""
-    clean = "".join(c if c.isalnum() or c in "_-" else "_" for c in prompt_id)
-    if clean != prompt_id or len(clean) > 100:
-        clean = clean[:60] + "-" + hashlib.sha256(prompt_id.encode()).hexdigest()[:16]
-    return f"{dataset}-{clean}"

@@ -17,7 +17,7 @@ from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from shared import keys
-from shared.schema import safe_job_id
+from shared.identity import job_id
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = [sys.executable, "-m", "budgetq.cli", "--log-level", "WARNING"]
@@ -98,7 +98,11 @@ def sim_get(sim: str, path: str):
 
 
 def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The JSON lines of ``path``: split on "\n" only (splitlines() also splits inside a row whose
+    text holds U+0085 or U+2028, which JSON writes raw)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def check_invariants(conn: redis.Redis, out: Path, ds: str, valid_ids: list[str], count: str = "completion") -> dict:
@@ -116,7 +120,7 @@ def check_invariants(conn: redis.Redis, out: Path, ds: str, valid_ids: list[str]
     states = {"committed": 0, "skipped": 0, "failed": 0, "never_enqueued": 0}
     on_disk = set(ids)
     for pid in valid_ids:
-        jid = safe_job_id(ds, pid)
+        jid = job_id(ds, pid)
         where = [s for s, hit in (("committed", pid in on_disk), ("skipped", jid in skipped),
                                   ("failed", jid in failed)) if hit]
         if not where:

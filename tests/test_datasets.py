@@ -295,7 +295,7 @@ def test_id_field_is_used_and_a_missing_one_is_invalid(tmp_path):
     rows = [{"uid": 7, "prompt": "a"}, {"prompt": "b"}, {"uid": "", "prompt": "c"}, {"uid": "x", "prompt": "d"}]
     items = read(ds_cfg(write("jsonl", tmp_path / "d", rows), id_field="uid"))
     assert [p.id for p in prompts(items)] == ["7", "x"]
-    assert reasons(items) == {2: "missing id field 'uid'", 3: "missing id field 'uid'"}
+    assert reasons(items) == {2: "missing id field 'uid'", 3: "id field 'uid' is empty"}
 
 
 # ---- limit, shuffle, filter ----------------------------------------------------------------------
@@ -331,7 +331,7 @@ def test_shuffled_json_array_keeps_bad_elements_invalid(tmp_path):
 
 
 def test_length_filter_skips_rows_without_making_them_invalid(tmp_path):
-    rows = [{"prompt": "x" * n} for n in (3, 10, 50, 10)]
+    rows = [{"prompt": "x" * n} for n in (3, 10, 50, 12)]
     items = read(ds_cfg(write("jsonl", tmp_path / "d", rows), min_prompt_chars=5, max_prompt_chars=20))
     assert [p.line for p in prompts(items)] == [2, 4]
     filtered = {i.line: i.reason for i in items if isinstance(i, Filtered)}

@@ -60,8 +60,8 @@ def test_permanent_error_fails_the_prompt_with_the_servers_reason_and_retry_fail
                        worker={"concurrency": 8, **FAST}, server=RETRY)
     run_to_completion(cfg, tmp_path, timeout_s=60)
     failed = _failed(conn, "D")
-    assert sorted(failed.get_job_ids(cleanup=False)) == ["D-long0", "D-long1", "D-long2"]
-    job = failed.job_class.fetch("D-long0", connection=conn, serializer=JSONSerializer)
+    assert sorted(failed.get_job_ids(cleanup=False)) == ["D--long0", "D--long1", "D--long2"]
+    job = failed.job_class.fetch("D--long0", connection=conn, serializer=JSONSerializer)
     reason = job.latest_result().exc_string
     assert "HTTP 400" in reason and "longer than the model's context length" in reason
     assert int(conn.hget(keys.stats_key("D"), "failed")) == 3

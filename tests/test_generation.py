@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import pytest
 from transformers import AutoTokenizer
 
-from shared.schema import safe_job_id
+from shared.identity import job_id
 from tests.helpers import PY, ROOT, rows, sim_get, write_config, write_dataset
 from tests.tiny_tokenizer import make_tiny_tokenizer
 from worker.sglang_client import job_id_of_rid
@@ -45,7 +45,7 @@ def test_generate_mode_sends_the_templated_input_ids(tmp_path, redis_url, conn, 
         msgs = row["conversations"][:-1]
         want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, enable_thinking=False)
         want = want["input_ids"] if isinstance(want, Mapping) else want
-        rec = by_job[safe_job_id("D", row["id"])]
+        rec = by_job[job_id("D", row["id"])]
         assert rec["endpoint"] == "generate"
         assert rec["input_ids_head"] == list(want[:8]) and rec["prompt_tokens"] == len(want)
         assert row["prompt_tokens"] == len(want)  # the server's count of what we sent

@@ -118,7 +118,7 @@ def test_no_secret_in_logs_status_monitor_or_redis(tmp_path, secure_redis, sim_f
     assert '"dataset": "A1"' in texts["monitor /api/status"] and "budgetq_used_tokens" in texts["monitor /metrics"]
 
     dump = _redis_dump(admin)
-    assert "rq:job:A1-p1'" in dump and '"content": "question 1"' in dump  # job payloads, decompressed
+    assert "rq:job:A1--p1'" in dump and '"content": "question 1"' in dump  # job payloads, decompressed
     texts["redis"] = dump
 
     for name, text in texts.items():

@@ -1,0 +1,142 @@
+"""Prompt ids and RQ job ids: one scheme, stable, collision-free, always RQ-legal.
+
+- A **dataset name** fullmatches ``[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*`` and has at most 64
+  characters: no ``--``, no leading or trailing ``-``.
+- A **prompt id** is any non-empty string (any Unicode but lone surrogates, which UTF-8
+  cannot encode; any length), or an integer
+  (``str(int)``; a float only when it is integral, e.g. 3.0 from an Arrow int column with
+  nulls -> "3"). Booleans, lists, objects and null are rejected (``IdError``).
+- A **job id** is ``<dataset>--<enc(id)>``. ``enc(id)`` is the id itself when it fullmatches
+  ``[A-Za-z0-9_][A-Za-z0-9_-]{0,99}`` (readable in rq-dashboard), else
+  ``-<32 hex of sha256(id)>-<readable ASCII prefix>``. The dataset name holds no ``--`` and
+  does not end in ``-``, so the first ``--`` splits a job id unambiguously; a readable
+  ``enc`` never starts with ``-`` and a hashed one always does, so the two never meet;
+  two hashed ids collide only if 128 bits of sha256 do. Job ids never hold ``.`` (the
+  worker appends ``.<hex>`` per attempt to make SGLang rids).
+- ``legacy_job_id`` is the formula of earlier versions (``<dataset>-<clean>``), kept only so
+  a producer can recognise jobs and done-set members written before the change
+  (see producer/migrate.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from typing import Any
+
+NAME_MAX = 64
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_]+(?:-[A-Za-z0-9_]+)*")
+READABLE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,99}")
+RQ_JOB_ID = re.compile(r"[A-Za-z0-9_-]+")  # rq.job.JOB_ID_PATTERN, fullmatch
+SEPARATOR = "--"
+HASH_HEX = 32
+PREFIX_MAX = 40
+# Conf-hash field naming the id scheme a dataset's Redis state was written with.
+SCHEME_FIELD = "id_scheme"
+SCHEME = "2"
+SCHEME_MIGRATED = "1+2"   # state of the old scheme exists: old job ids are recognised too
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_surrogate(text: str) -> bool:
+    return _SURROGATE.search(text) is not None
+
+
+class IdError(ValueError):
+    """A prompt id or a dataset name that cannot be used; the message names it."""
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid dataset name, else IdError naming the value and the rule."""
+    if not isinstance(name, str) or len(name) > NAME_MAX or not NAME_PATTERN.fullmatch(name):
+        shown = name if not isinstance(name, str) or len(name) <= 80 else name[:80] + "..."
+        why = f"is longer than {NAME_MAX} characters" if isinstance(name, str) and len(name) > NAME_MAX \
+            else "may hold only letters, digits and '_', in parts joined by single '-'"
+        raise IdError(f"dataset name {shown!r} {why}")
+    return name
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+def prompt_id(value: Any, field: str) -> str:
+    """The string form of an id field's value; IdError naming the field, type and value."""
+    if isinstance(value, str):
+        if value == "":
+            raise IdError(f"id field {field!r} is empty")
+        if _SURROGATE.search(value):
+            # json.loads accepts "\ud800"; no UTF-8 file, JSON row or HTTP body can hold it.
+            raise IdError(f"id field {field!r} holds a lone surrogate ({_SURROGATE.search(value).group()!a}), "
+                          "which UTF-8 cannot encode")
+        return value
+    if isinstance(value, bool):
+        raise IdError(f"id field {field!r} is a boolean ({value}), not a string or integer")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return str(int(value))
+        raise IdError(f"id field {field!r} is a non-integral number ({value!r}), not a string or integer")
+    if hasattr(value, "item") and not isinstance(value, list | dict):  # numpy scalars
+        return prompt_id(value.item(), field)
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:60] + "..."
+    raise IdError(f"id field {field!r} is {_kind(value)} ({shown}), not a string or integer")
+
+
+def _utf8(text: str) -> bytes:
+    # JSON may carry lone surrogates ("\ud800"); they must still hash, stably.
+    return text.encode("utf-8", "surrogatepass")
+
+
+def digest(pid: str) -> bytes:
+    """16 bytes identifying a prompt id (what the duplicate check keeps per id)."""
+    return hashlib.sha256(_utf8(pid)).digest()[:16]
+
+
+def encode_id(pid: str) -> str:
+    """The id part of a job id: the id itself if readable and RQ-legal, else a hash + prefix."""
+    if READABLE.fullmatch(pid):
+        return pid
+    head = _UNSAFE.sub("_", pid.encode("ascii", "ignore").decode())[:PREFIX_MAX].strip("_")
+    tail = f"-{head}" if head else ""
+    return f"-{hashlib.sha256(_utf8(pid)).hexdigest()[:HASH_HEX]}{tail}"
+
+
+def job_id(dataset: str, pid: str) -> str:
+    """The RQ job id of prompt ``pid`` of ``dataset``: unique per (dataset, id), stable."""
+    return f"{dataset}{SEPARATOR}{encode_id(pid)}"
+
+
+def split_job_id(jid: str) -> tuple[str, str]:
+    """(dataset, encoded id) of a job id made by ``job_id``."""
+    ds, sep, enc = jid.partition(SEPARATOR)
+    if not sep:
+        raise IdError(f"job id {jid!r} has no {SEPARATOR!r}")
+    return ds, enc
+
+
+def legacy_job_id(dataset: str, pid: str) -> str:
+    """The job id earlier versions gave (``<ds>-<clean>``): only to recognise their state."""
+    clean = "".join(c if c.isalnum() or c in "_-" else "_" for c in pid)
+    if clean != pid or len(clean) > 100:
+        clean = clean[:60] + "-" + hashlib.sha256(_utf8(pid)).hexdigest()[:16]
+    return f"{dataset}-{clean}"
+
+
+def stable_id(row: dict[str, Any]) -> str:
+    """A prompt id from the row's content, stable across runs and machines."""
+    blob = json.dumps(row, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(_utf8(blob)).hexdigest()[:24]
