@@ -2,7 +2,8 @@
 
 Reads every dataset with the producer's own reader (``read_prompts``: same mapping, filters,
 tokenizer and limits as a run), streaming, and counts valid, invalid (by reason), filtered
-and duplicate-id prompts, prompt lengths, and what the budget buys at ``prior_mean_tokens``.
+and duplicate-id prompts (the reader's rule: the first row with an id wins), prompt lengths,
+and what the budget buys at ``prior_mean_tokens``.
 It then asks Redis (reads only: a read-only ACL user is enough) how far a previous run got,
 and each server what it serves. The server probe is passed in (``probe``): the one SGLang
 HTTP client lives on the worker side, which the producer never imports.
@@ -13,12 +14,10 @@ from __future__ import annotations
 import math
 import re
 import time
-from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import redis
 
 from producer.mapping import prompt_chars
@@ -62,30 +61,6 @@ class Stats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"count": self.count, "mean": self.mean, "min": self.min, "max": self.max}
-
-
-class IdCounter:
-    """Counts repeated ids in 8 bytes per id: a 64-bit hash of each id in a flat array, sorted once
-    at the end (a set of strings would cost ~100 bytes per id, 100 MB per million rows).
-
-    ``hash()`` of a str is stable within one process, which is all a count needs; two
-    different ids sharing a 64-bit hash is a one-in-10^7 event at a million rows.
-    """
-
-    def __init__(self) -> None:
-        self._hashes = array("q")
-
-    def add(self, prompt_id: str) -> None:
-        self._hashes.append(hash(prompt_id))
-
-    def duplicates(self) -> int:
-        """How many ids repeat one seen before (n - distinct). Call once: it sorts the hashes."""
-        if len(self._hashes) < 2:
-            return 0
-        # Sorted in place (a view of the array, no copy); np.unique would cost ~7x the array.
-        hashes = np.frombuffer(self._hashes, dtype=np.int64)
-        hashes.sort()
-        return int(np.count_nonzero(hashes[1:] == hashes[:-1]))
 
 
 @dataclass
@@ -148,19 +123,21 @@ class DatasetCheck:
 def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
     """Stream ``ds`` through the producer's reader and count what a run would see."""
     out = DatasetCheck(ds.name, ds.path, ds.budget, ds.mode, ds.count, ds.prior_mean)
-    ids = IdCounter()
     started = time.perf_counter()
     try:
         items = read_prompts(ds, cfg.server)
         for item in items:
             if isinstance(item, Prompt):
                 out.valid += 1
-                ids.add(item.id)
                 out.prompt_chars.add(prompt_chars(item.messages))
                 if item.prompt_tokens is not None:
                     if out.prompt_tokens is None:
                         out.prompt_tokens = Stats()
                     out.prompt_tokens.add(item.prompt_tokens)
+            elif isinstance(item, Invalid) and item.duplicate:
+                # the reader's own rule (first occurrence wins): a valid row whose id came before
+                out.valid += 1
+                out.duplicates += 1
             elif isinstance(item, Invalid):
                 out.invalid += 1
                 key = reason_key(item.reason)
@@ -173,7 +150,6 @@ def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
         # run, the others are still checked.
         out.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, BudgetqError) else str(exc)
     out.read_s = time.perf_counter() - started
-    out.duplicates = ids.duplicates()
     return out
 
 

@@ -149,6 +149,10 @@ def test_a_run_started_with_the_old_job_ids_resumes_without_running_anything_twi
                   "endpoint": sim, "latency_s": 0.1} for n, i in enumerate(ids[:4])]
     _write(out / "D.jsonl", done_rows)
     conn.sadd(keys.DATASETS, ds)
+    # an earlier version's producer registered the budget too (else a worker that claims p4
+    # before today's producer starts finds no budget and fails it)
+    conn.hset(keys.conf_key(ds), mapping={"limit": 10**9, "mode": "soft", "count": "completion", "keep": "all",
+                                          "prior_mean": 50, "max_tokens": 200, "paused": "0"})
     conn.sadd(keys.done_key(ds), *[legacy_job_id(ds, i) for i in ids[:4]])
     conn.set(keys.used_key(ds), sum(r["completion_tokens"] for r in done_rows))
     conn.hset(keys.stats_key(ds), mapping={"committed": 4})

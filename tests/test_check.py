@@ -13,7 +13,7 @@ import redis
 import yaml
 
 from budgetq.localhost import free_port
-from producer.check import IdCounter, model_matches, reason_key
+from producer.check import model_matches, reason_key
 from shared import keys
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -69,7 +69,7 @@ def test_check_counts_prompts_and_estimates_the_run_without_writing_to_redis(tmp
     assert a1["invalid_by_reason"] == {"bad JSON at column N: Expecting property name enclosed in double quotes": 2,
                                        "missing field 'prompt'": 1}
     assert a1["first_at"]["missing field 'prompt'"] == 25
-    assert a1["prompt_chars"]["count"] == 22 and a1["prompt_tokens"] is None
+    assert a1["prompt_chars"]["count"] == 20 and a1["prompt_tokens"] is None  # first occurrences only
     # A1: 18k left at 1,000 per response = 18 responses; 20 unique - 12 done = 8 left: runs out.
     assert (a1["used"], a1["done"], a1["responses_needed"], a1["runs_out"]) == (12_000, 12, 18, True)
     assert a1["expected_tokens"] == 8 * 1000 and a1["est_s"] == pytest.approx(80.0)
@@ -144,7 +144,7 @@ def test_check_counts_prompt_tokens_with_the_tokenizer(tmp_path, redis_url, sim_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a1 = json.loads(proc.stdout)["datasets"][0]
     tokens = a1["prompt_tokens"]
-    assert tokens["count"] == a1["valid"] == 22 and 0 < tokens["min"] < tokens["max"]
+    assert tokens["count"] == a1["unique"] == 20 and a1["valid"] == 22 and 0 < tokens["min"] <= tokens["max"]
     # Prompts over max_prompt_tokens are invalid, with the numbers, counted under one reason.
     cfg = yaml.safe_load(config.read_text())
     cfg["datasets"][0]["max_prompt_tokens"] = tokens["max"] - 1
@@ -155,12 +155,6 @@ def test_check_counts_prompt_tokens_with_the_tokenizer(tmp_path, redis_url, sim_
         too_long.values())
     assert a1["prompt_tokens"]["max"] <= tokens["max"] - 1
 
-
-def test_id_counter_counts_repeats_compactly():
-    ids = IdCounter()
-    for i in [*range(1000), 5, 5, 999]:
-        ids.add(f"id-{i}")
-    assert ids.duplicates() == 3 and IdCounter().duplicates() == 0
 
 
 def test_reason_key_drops_row_and_column_numbers():
