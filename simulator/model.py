@@ -52,6 +52,7 @@ class SimSettings:
     spike_rate: float = 0.0
     spike_s: float = 5.0
     drop_rate: float = 0.0
+    drop_after_tokens: int | None = None   # a drop cuts after this many tokens (else uniform)
     context_length: int = 32768
     # Reasoning: this fraction of each response is "thinking"; a parser name separates it.
     reasoning_tokens_frac: float = 0.0

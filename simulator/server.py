@@ -33,7 +33,8 @@ class SimServer:
         self.engine = Engine(settings)
         self.faults = FaultInjector(Faults(
             error_rate=settings.error_rate, error_codes=settings.error_codes, spike_rate=settings.spike_rate,
-            spike_s=settings.spike_s, drop_rate=settings.drop_rate, context_length=settings.context_length),
+            spike_s=settings.spike_s, drop_rate=settings.drop_rate, context_length=settings.context_length,
+            drop_after_tokens=settings.drop_after_tokens),
             settings.seed)
         self.runner = Runner(settings, self.engine, self.faults)
         self.started = time.time()
