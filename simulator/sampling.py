@@ -75,16 +75,18 @@ def check_contract(params: object) -> None:
 
 def verify(params: dict) -> None:
     """``SamplingParams(**params)`` normalisation then ``verify()``: raises SamplingError with SGLang's text."""
+    # Values stay as sent: the msgspec Struct does not coerce, so /generate's top_p 0 reads "got 0."
+    # (chat's pydantic model has already made it 0.0).
     p = {k: (DEFAULTS[k] if v is None and k in DEFAULTS else v) for k, v in params.items()}
-    temperature = float(p.get("temperature", 1.0))
+    temperature = p.get("temperature", 1.0)
     top_k = p.get("top_k", -1)
     if 0 <= temperature < _EPS:        # greedy: __post_init__ turns it into top_k = 1
         temperature, top_k = 1.0, 1
     if top_k == -1:
         top_k = TOP_K_ALL
-    top_p, min_p = float(p.get("top_p", 1.0)), float(p.get("min_p", 0.0))
-    freq, pres = float(p.get("frequency_penalty", 0.0)), float(p.get("presence_penalty", 0.0))
-    rep = float(p.get("repetition_penalty", 1.0))
+    top_p, min_p = p.get("top_p", 1.0), p.get("min_p", 0.0)
+    freq, pres = p.get("frequency_penalty", 0.0), p.get("presence_penalty", 0.0)
+    rep = p.get("repetition_penalty", 1.0)
     min_new, max_new = p.get("min_new_tokens", 0), p.get("max_new_tokens", 128)
     beam = p.get("beam_width")
     if beam is not None and beam < 1:
@@ -125,15 +127,20 @@ CHAT_DEFAULTED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "
 
 
 def chat_sampling(body: dict, generation_config: dict[str, float]) -> dict:
-    """The sampling parameters SGLang's chat route builds from a request (the ones that matter here)."""
+    """The sampling parameters SGLang's chat route builds from a request (the ones that matter here).
+    ChatCompletionRequest's float fields are pydantic floats, so an int arrives as a float."""
     out: dict = {}
     for name, default in CHAT_DEFAULTED.items():
         value = body.get(name)
         out[name] = generation_config.get(name, default) if value is None else value
+    for name in _FLOATS:
+        if isinstance(out.get(name), int) and not isinstance(out.get(name), bool):
+            out[name] = float(out[name])
     out["max_new_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
     out["min_new_tokens"] = body.get("min_tokens", 0)
     for name in ("frequency_penalty", "presence_penalty"):
-        out[name] = body.get(name, 0.0)
+        value = body.get(name)
+        out[name] = 0.0 if value is None else float(value) if isinstance(value, int | float) else value
     out["sampling_seed"] = body.get("seed")
     for name in ("regex", "ebnf"):
         out[name] = body.get(name)

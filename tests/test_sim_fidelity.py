@@ -201,21 +201,24 @@ def test_generate_unknown_or_mistyped_sampling_keys_fail_the_contract_gate():
 
 
 def test_sampling_verify_rules_and_messages_on_both_apis():
+    # /generate keeps the JSON value (msgspec does not coerce): 0 reads "got 0."; chat's pydantic
+    # model has made it a float: "got 0.0.".
     cases = [
-        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0."),
-        ({"top_k": 0}, "top_k must be -1 (disable) or at least 1, got 0."),
-        ({"temperature": -0.5}, "temperature must be a non-negative finite number, got -0.5."),
-        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5."),
-        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0.0."),
-        ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2], got 3.0."),
+        ({"top_p": 0}, "top_p must be in (0, 1], got {}.", "0", "0.0"),
+        ({"top_k": 0}, "top_k must be -1 (disable) or at least 1, got {}.", "0", "0"),
+        ({"temperature": -0.5}, "temperature must be a non-negative finite number, got {}.", "-0.5", "-0.5"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got {}.", "1.5", "1.5"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 2] (1.0 = no penalty), got {}.", "0", "0.0"),
+        ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2], got {}.", "3", "3.0"),
     ]
 
     async def scenario(c, u):
-        for params, message in cases:
+        for params, message, native, chat in cases:
             status, body = await post(c, u + "/generate", {"text": "x", "sampling_params": params})
-            assert status == 400 and body == {"error": {"message": message}}, params
+            assert status == 400 and body == {"error": {"message": message.format(native)}}, params
             status, body = await post(c, u + CHAT, {"messages": MSGS, "max_tokens": 5, **params})
-            assert status == 400 and body["message"] == message and body["type"] == "BadRequestError", params
+            assert status == 400 and body["message"] == message.format(chat), params
+            assert body["type"] == "BadRequestError"
         # Greedy (temperature 0) and top_k -1 are fine; null means the default.
         for params in ({"temperature": 0, "top_k": -1}, {"top_p": None, "top_k": None}):
             assert (await post(c, u + "/generate", {"text": "x", "sampling_params": params}))[0] == 200
@@ -224,7 +227,7 @@ def test_sampling_verify_rules_and_messages_on_both_apis():
             assert r.status == 200
             raw = await r.text()
         first = json.loads(raw.split("\n\n")[0][len("data: "):])
-        assert first["error"]["message"] == "top_p must be in (0, 1], got 0.0." and raw.endswith("data: [DONE]\n\n")
+        assert first["error"]["message"] == "top_p must be in (0, 1], got 0." and raw.endswith("data: [DONE]\n\n")
     run_sim(scenario, speedup=1000, length_mean=10)
 
 
