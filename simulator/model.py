@@ -117,7 +117,7 @@ class RequestRecord:
                 "first_token": self.first_token, "finished": self.finished, "finish": self.finish,
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
-                "input_ids_head": self.input_ids_head, "sampling": self.sampling}
+                "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone}
 
 
 class Engine:
@@ -149,6 +149,8 @@ class Engine:
         self.completed = 0
         self.aborted = 0
         self.dropped = 0
+        self.orphaned = 0              # ended by itself after its client had gone (not yet noticed)
+        self.orphaned_tokens = 0
         self.prompt_tokens = 0
         self._done_tokens = 0          # tokens of requests no longer decoding (kept or not)
         self.aborted_tokens = 0
@@ -304,6 +306,11 @@ class Engine:
             self.dropped += 1
             self.dropped_tokens += tokens
             self.aborted_tokens += tokens
+        elif rec.client_gone:
+            # It ended by itself before SGLang noticed the disconnect: nobody got it, so it is waste.
+            self.orphaned += 1
+            self.orphaned_tokens += tokens
+            self.aborted_tokens += tokens
         else:
             self.completed += 1
             self.e2e.observe(now - rec._t_arrived)
@@ -414,6 +421,7 @@ class Engine:
         return {
             "running": self.running, "queued": self.queued, "requests": self.requests,
             "completed": self.completed, "aborted": self.aborted, "dropped": self.dropped,
+            "orphaned": self.orphaned, "orphaned_tokens": self.orphaned_tokens,
             "generated_tokens": self.generated_tokens(), "aborted_tokens": self.aborted_tokens,
             "dropped_tokens": self.dropped_tokens, "prompt_tokens": self.prompt_tokens,
             "peak_running": self.peak_running, "peak_queued": self.peak_queued,

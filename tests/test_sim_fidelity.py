@@ -296,3 +296,17 @@ def test_chat_prefers_max_completion_tokens_ignores_generate_names_and_fills_gen
         assert recs["c2"]["sampling"]["min_p"] == 0.0       # not in the config: SGLang's default
     run_sim(scenario, speedup=1000, length_mean=1000, length_sigma=0.0,
             generation_config={"temperature": 0.6, "top_p": 0.95, "top_k": 20})
+
+
+def test_a_request_that_ends_before_its_disconnect_is_noticed_counts_as_waste():
+    async def scenario(c, u):
+        task = asyncio.create_task(post(c, u + "/generate", {"text": "x", "rid": "o-1",
+                                                              "sampling_params": {"max_new_tokens": 2000}}))
+        await until(c, u, lambda s: s["running"] == 1 and s["generated_tokens"] > 0)
+        task.cancel()
+        stats = await until(c, u, lambda s: s["orphaned"] == 1)
+        assert stats["completed"] == stats["aborted"] == 0 and stats["running"] == 0
+        assert stats["orphaned_tokens"] == stats["aborted_tokens"] == stats["generated_tokens"] == 2000
+        rec = (await _records(c, u))["o-1"]
+        assert rec["finish"] == "length" and rec["client_gone"] is True
+    run_sim(scenario, **ENDLESS, speedup=2, disconnect_poll_s=HELD)   # ~1.7 s: the cancel comes well before
