@@ -514,3 +514,27 @@ def test_cli_rejects_bad_flags_naming_them():
         out = subprocess.run([sys.executable, "-m", "budgetq.cli", "sim", "--port", "1", *flags],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and named in out.stderr
+
+
+def test_cli_fidelity_flags_reach_the_server(sim_factory, tmp_path):
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"temperature": 0.6, "top_k": 20, "eos_token_id": 2}))
+    sim = sim_factory("--speedup", "1000", "--length-mean", "10", "--disconnect-poll-s", "0", "--stream-abort-s",
+                      "0.5", "--max-total-num-tokens", "9999", "--generation-config", str(gen))
+    _, info = _http(sim + "/server_info")
+    assert info["simulator"]["disconnect_poll_s"] == 0 and info["simulator"]["stream_abort_s"] == 0.5
+    assert info["max_total_num_tokens"] == 9999
+    assert _http(sim + CHAT, {"messages": MSGS, "rid": "g1", "max_tokens": 3})[0] == 200
+    _, recs = _http(sim + "/sim/requests")
+    assert recs[-1]["sampling"]["temperature"] == 0.6 and recs[-1]["sampling"]["top_k"] == 20
+
+
+def test_cli_rejects_bad_fidelity_flags_naming_them(tmp_path):
+    bad = tmp_path / "g.json"
+    bad.write_text('{"top_p": "high"}')
+    for flags, named in ((["--disconnect-poll-s", "-1"], "--disconnect-poll-s"),
+                         (["--generation-config", str(tmp_path / "missing.json")], "missing.json"),
+                         (["--generation-config", str(bad)], "top_p")):
+        out = subprocess.run([sys.executable, "-m", "budgetq.cli", "sim", "--port", "1", *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and named in out.stderr, out.stderr
