@@ -253,9 +253,15 @@ class Engine:
                 elapsed = now - rec._t_arrived
                 delay = max(1, math.ceil(elapsed / poll - 1e-9)) * poll - elapsed
         if delay <= 0:
-            self.abort(rec)
+            self._abort_disconnected(rec)
         else:
-            self._loop.call_later(delay, self.abort, rec)
+            self._loop.call_later(delay, self._abort_disconnected, rec)
+
+    def _abort_disconnected(self, rec: RequestRecord) -> None:
+        # SGLang sends AbortReq(rid) for it, and the scheduler aborts by prefix: requests whose rid
+        # starts with this one go too.
+        if rec.state != DONE:
+            self.abort_rid(rec.rid)
 
     def abort(self, rec: RequestRecord) -> None:
         """Stop ``rec`` now: tokens made so far stay counted as generated and count as aborted."""
@@ -279,9 +285,9 @@ class Engine:
 
     def abort_rid(self, rid: str) -> int:
         """SGLang's /abort_request: nothing unless ``rid`` is in flight, then every rid starting with it."""
-        live = list(self._inflight.values())
-        if not any(r.rid == rid for r in live):
+        if rid not in self.live_rids:
             return 0
+        live = list(self._inflight.values())
         hits = [r for r in live if r.rid.startswith(rid)]
         for r in hits:
             self.abort(r)

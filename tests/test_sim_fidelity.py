@@ -310,3 +310,20 @@ def test_a_request_that_ends_before_its_disconnect_is_noticed_counts_as_waste():
         rec = (await _records(c, u))["o-1"]
         assert rec["finish"] == "length" and rec["client_gone"] is True
     run_sim(scenario, **ENDLESS, speedup=2, disconnect_poll_s=HELD)   # ~1.7 s: the cancel comes well before
+
+
+def test_a_disconnect_aborts_by_prefix_too():
+    async def scenario(c, u):
+        parent = asyncio.create_task(post(c, u + "/generate", {**LONG, "rid": "p7"}))
+        child = asyncio.create_task(post(c, u + "/generate", {**LONG, "rid": "p7.a"}))
+        other = asyncio.create_task(post(c, u + "/generate", {**LONG, "rid": "q7"}))
+        await until(c, u, lambda s: s["running"] == 3)
+        parent.cancel()
+        # tokenizer_manager sends AbortReq("p7"): the scheduler aborts every rid starting with it.
+        status, body = await child
+        assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort"
+        stats = await until(c, u, lambda s: s["aborted"] == 2)
+        assert stats["running"] == 1
+        await post(c, u + "/abort_request", {"rid": "q7"})
+        await other
+    run_sim(scenario, **ENDLESS, disconnect_poll_s=0)
