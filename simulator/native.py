@@ -113,7 +113,7 @@ class NativeRoutes:
                 try:
                     verify(sp)
                 except SamplingError as exc:
-                    raise BadRequest(str(exc)) from exc
+                    raise BadRequest(str(exc), kind="sampling") from exc
                 item.sampling = sp
                 items.append(item)
                 caps.append(cap)

@@ -31,10 +31,12 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 def oai_error(exc: BadRequest) -> web.Response:
     # SGLang's OpenAI-compatible error body is flat (protocol.ErrorResponse), not OpenAI's envelope.
     # A ValueError (context, sampling, duplicate rid) -> "BadRequestError" (serving_chat's
-    # create_error_response); an HTTPException (queue full) -> type str(status) (serving_base).
+    # create_error_response); an HTTPException (queue full) -> type str(status) (serving_base);
+    # a body FastAPI cannot parse into the request model -> "Bad Request" (http_server's
+    # RequestValidationError handler).
     if exc.kind == "overload":
         kind = str(exc.status)
-    elif exc.kind == "content_type":
+    elif exc.kind in ("content_type", "validation"):
         kind = "Bad Request"
     else:
         kind = ERROR_TYPES.get(exc.status, "BadRequestError")
@@ -103,7 +105,7 @@ class OpenAIRoutes:
             try:
                 verify(item.sampling)
             except SamplingError as exc:
-                raise BadRequest(str(exc)) from exc
+                raise BadRequest(str(exc), kind="sampling") from exc
             [rec] = await self.runner.start([item])
         except BadRequest as exc:
             return oai_error(exc)

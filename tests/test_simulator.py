@@ -241,6 +241,7 @@ def test_validation_errors_are_400_with_sglang_bodies():
         assert set(body) == {"object", "message", "type", "param", "code"} and body["param"] is None
         status, body = await post(c, u + CHAT, {"messages": MSGS, "max_tokens": "lots"})
         assert status == 400 and body["code"] == 400 and "max_tokens" in body["message"]
+        assert body["type"] == "Bad Request"             # a request-model parse error (RequestValidationError)
         status, body = await post(c, u + "/v1/completions", {"prompt": 5})
         assert status == 400 and body["object"] == "error"
         status, body = await post(c, u + "/generate", {"sampling_params": {}})
