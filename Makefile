@@ -2,11 +2,15 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The SGLang release the simulator mirrors and tests/test_sglang_conformance.py checks against.
+SGLANG_VERSION := $(shell cat tests/SGLANG_VERSION)
 
-$(BIN)/budgetq: pyproject.toml
+$(BIN)/budgetq: pyproject.toml tests/SGLANG_VERSION
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,conformance]'
+	# Only its protocol modules are imported (tests/sglang_contract.py): no torch, no GPU stack.
+	$(BIN)/pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
 	touch $@
 
 .PHONY: demo test lint

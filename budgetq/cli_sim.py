@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 
 from shared.errors import BudgetqError
@@ -23,6 +24,30 @@ def _mean_for(items: list[str] | None) -> dict[str, float]:
     return means
 
 
+def _generation_config(path: str | None) -> dict[str, float]:
+    """The sampling defaults of a generation_config.json (the keys SGLang's chat route fills)."""
+    if not path:
+        return {}
+    from simulator.sampling import CHAT_DEFAULTED
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise BudgetqError(f"--generation-config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BudgetqError(f"--generation-config {path}: expected a JSON object, got {type(data).__name__}")
+    out = {}
+    for key in CHAT_DEFAULTED:
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BudgetqError(f"--generation-config {path}: {key} must be a number, got {value!r}")
+        out[key] = value
+    return out
+
+
 def settings_from_args(args: argparse.Namespace):
     from simulator.faults import parse_codes
     from simulator.model import SimSettings
@@ -39,6 +64,11 @@ def settings_from_args(args: argparse.Namespace):
         value = getattr(args, name)
         if value is not None and value < low:
             raise BudgetqError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
+    for name in ("disconnect_poll_s", "stream_abort_s"):
+        if getattr(args, name) < 0:
+            raise BudgetqError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
+    if args.max_total_num_tokens is not None and args.max_total_num_tokens < 1:
+        raise BudgetqError(f"--max-total-num-tokens {args.max_total_num_tokens}: must be >= 1")
     if args.spike_s < 0 or args.half_batch < 0 or args.length_sigma < 0 or args.stream_interval_s <= 0:
         raise BudgetqError("--spike-s, --half-batch and --length-sigma must be >= 0, --stream-interval-s > 0")
     try:
@@ -56,7 +86,9 @@ def settings_from_args(args: argparse.Namespace):
         spike_rate=args.spike_rate, spike_s=args.spike_s, drop_rate=args.drop_rate,
         context_length=args.context_length, reasoning_tokens_frac=args.reasoning_tokens_frac,
         reasoning_parser=args.reasoning_parser, api_key=args.api_key, seed=args.seed, model=args.model,
-        stream_interval_s=args.stream_interval_s, keep_records=args.keep_records)
+        stream_interval_s=args.stream_interval_s, keep_records=args.keep_records,
+        disconnect_poll_s=args.disconnect_poll_s, stream_abort_s=args.stream_abort_s,
+        max_total_num_tokens=args.max_total_num_tokens, generation_config=_generation_config(args.generation_config))
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -92,6 +124,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prefill-tok-s", type=float, default=50_000.0, help="prompt tokens prefilled per second")
     g.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per wall second")
     g.add_argument("--instant", action="store_true", help="answer at once (no capacity model); lengths still drawn")
+    g.add_argument("--max-total-num-tokens", type=int, default=None,
+                   help="KV pool size reported by /server_info and /v1/loads (default: max-running x 4096)")
+    g.add_argument("--disconnect-poll-s", type=float, default=4.0,
+                   help="simulated s: a dropped non-streaming client is noticed at the next poll (SGLang: 4)")
+    g.add_argument("--stream-abort-s", type=float, default=2.0,
+                   help="simulated s: a dropped streaming client is aborted this long after (SGLang: 2)")
     g = sp.add_argument_group("responses")
     g.add_argument("--length-mean", type=float, default=1500.0)
     g.add_argument("--length-mean-for", action="append", metavar="RID_PREFIX=MEAN")
@@ -104,6 +142,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (not on /health*, /metrics)")
     g.add_argument("--stream-interval-s", type=float, default=0.05, help="at most one stream chunk per this (wall s)")
     g.add_argument("--keep-records", type=int, default=200_000, help="records /sim/requests keeps")
+    g.add_argument("--generation-config", default=None, metavar="JSON",
+                   help="generation_config.json whose sampling defaults fill unset chat fields")
     g = sp.add_argument_group("faults (also live: POST /sim/faults)")
     g.add_argument("--error-rate", type=float, default=0.0, help="share of requests answered with an error")
     g.add_argument("--error-codes", default="503", help="statuses to pick from, e.g. 503,500,429,502")

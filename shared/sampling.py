@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from shared.schema import SamplingParams
-from shared.sglang_names import CHAT_REQUEST_KEYS, GENERATE_SAMPLING_KEYS, SGLANG_VERSION
+from shared.sglang_names import (
+    CHAT_REQUEST_KEYS,
+    GENERATE_CONTRACT_SAMPLING_KEYS,
+    GENERATE_SAMPLING_KEYS,
+    SGLANG_VERSION,
+)
 
 log = logging.getLogger("budgetq.sampling")
 
@@ -51,7 +56,9 @@ _RENAMED = {
     "chat": {"min_new_tokens": "min_tokens", "max_new_tokens": "sampling.max_tokens",
              "sampling_seed": "sampling.seed", "stop_sequences": "sampling.stop"},
 }
-_ACCEPTED = {"generate": GENERATE_SAMPLING_KEYS, "chat": CHAT_REQUEST_KEYS}
+# /generate: a key must pass its JSON contract gate and be a SamplingParams field (the
+# internal fields __init__ also takes are refused by the gate).
+_ACCEPTED = {"generate": GENERATE_SAMPLING_KEYS & GENERATE_CONTRACT_SAMPLING_KEYS, "chat": CHAT_REQUEST_KEYS}
 _ROUTE = {"generate": "/generate sampling_params", "chat": "/v1/chat/completions"}
 
 

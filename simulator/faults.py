@@ -25,6 +25,8 @@ class Faults(BaseModel):
     spike_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     spike_s: float = Field(default=5.0, ge=0.0)      # wall seconds, not scaled by the speed-up
     drop_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    # A dropped request is cut after this many tokens instead of at a uniform point (for tests).
+    drop_after_tokens: int | None = Field(default=None, ge=0)
     context_length: int = Field(default=32768, gt=1)
     down: bool = False
 
@@ -81,6 +83,8 @@ class FaultInjector:
         f = self.faults
         if f.drop_rate and self._rng.random() < f.drop_rate:
             self.counts["drop"] += 1
+            if f.drop_after_tokens is not None:
+                return min(f.drop_after_tokens, max(target, 0))
             return self._rng.randint(0, max(target, 0))
         return None
 

@@ -21,47 +21,14 @@ import heapq
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
+from simulator.settings import SimSettings
+
+__all__ = ["DONE", "Engine", "RequestRecord", "SimSettings"]
 
 QUEUED, PREFILL, DECODE, DONE = range(4)
-
-
-@dataclass
-class SimSettings:
-    max_running_requests: int = 256
-    # Requests allowed to wait for a slot; past that SGLang answers 503. None: unbounded.
-    max_queued_requests: int | None = None
-    # Aggregate decode speed at full batch, tokens/s (before speed-up), and the batch size
-    # at which half of it is reached: tok/s(B) = peak * B / (B + half_batch).
-    peak_tok_s: float = 20_000.0
-    half_batch: float = 32.0
-    prefill_tok_s: float = 50_000.0
-    length_mean: float = 1500.0
-    length_sigma: float = 0.8
-    # rid prefix -> mean response length, so one simulator can mimic several datasets.
-    length_means: dict[str, float] = field(default_factory=dict)
-    speedup: float = 1.0
-    # Respond as fast as possible: lengths are still drawn, but no capacity model and no sleeping.
-    instant: bool = False
-    # Fault injection (also changeable live through POST /sim/faults).
-    error_rate: float = 0.0
-    error_codes: list[int] = field(default_factory=lambda: [503])
-    spike_rate: float = 0.0
-    spike_s: float = 5.0
-    drop_rate: float = 0.0
-    context_length: int = 32768
-    # Reasoning: this fraction of each response is "thinking"; a parser name separates it.
-    reasoning_tokens_frac: float = 0.0
-    reasoning_parser: str | None = None
-    api_key: str | None = None
-    seed: int = 0
-    model: str = "sim-model"
-    # Streaming responses emit a chunk at most this often (wall seconds).
-    stream_interval_s: float = 0.05
-    # /sim/requests keeps the newest this many records.
-    keep_records: int = 200_000
+FINISH, CUT = 0, 1   # kinds of heap events
 
 
 class RequestRecord:
@@ -69,7 +36,8 @@ class RequestRecord:
 
     __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
                  "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
-                 "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived")
+                 "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived",
+                 "cut_at", "cut", "client_gone", "sampling")
 
     def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
                  endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
@@ -94,13 +62,17 @@ class RequestRecord:
         self.seq = 0
         self.abort_message = ""
         self._t_arrived = 0.0
+        self.cut_at: int | None = None   # a drop fault closes the connection after this many tokens
+        self.cut = False                 # ... and has: the request goes on until SGLang would notice
+        self.client_gone = False
+        self.sampling: dict | None = None  # the effective sampling parameters (chat: after defaults)
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "endpoint": self.endpoint, "arrived": self.arrived, "admitted": self.admitted,
                 "first_token": self.first_token, "finished": self.finished, "finish": self.finish,
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
-                "input_ids_head": self.input_ids_head}
+                "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone}
 
 
 class Engine:
@@ -112,9 +84,11 @@ class Engine:
         self._queue: deque[RequestRecord] = deque()
         self._prefill: deque[tuple[float, RequestRecord]] = deque()   # FIFO, so ends are in order
         self._prefill_free = 0.0
-        self._heap: list[tuple[float, int, RequestRecord]] = []       # (V at finish, seq, request)
+        self._heap: list[tuple[float, int, int, RequestRecord]] = []  # (V at event, seq, kind, request)
         self._decoding: dict[int, RequestRecord] = {}
         self._inflight: dict[int, RequestRecord] = {}
+        # rid -> request, from submit until it ends: SGLang's rid_to_state (duplicate rids are refused).
+        self.live_rids: dict[str, RequestRecord] = {}
         self._seq = 0
         self._v = 0.0
         self._t = 0.0
@@ -130,6 +104,8 @@ class Engine:
         self.completed = 0
         self.aborted = 0
         self.dropped = 0
+        self.orphaned = 0              # ended by itself after its client had gone (not yet noticed)
+        self.orphaned_tokens = 0
         self.prompt_tokens = 0
         self._done_tokens = 0          # tokens of requests no longer decoding (kept or not)
         self.aborted_tokens = 0
@@ -180,14 +156,16 @@ class Engine:
         self.records.append(rec)
         self.requests += 1
         self.prompt_tokens += rec.prompt_tokens
-        if drop_at is not None and drop_at < rec.target:
-            rec.target, rec.dropped = drop_at, True
-        elif drop_at is not None:
+        if drop_at is not None:
             rec.dropped = True
+            rec.cut_at = min(drop_at, rec.target)
         if self.s.instant:
+            # No time passes, so a dropped request ends at its drop point.
             rec.admitted = rec.first_token = time.time()
-            self._close(rec, rec.target, "drop" if rec.dropped else rec.natural_finish, now)
+            self._close(rec, rec.cut_at if rec.dropped else rec.target,
+                        "drop" if rec.dropped else rec.natural_finish, now)
             return rec
+        self.live_rids[rec.rid] = rec
         self._seq += 1
         rec.seq = self._seq
         self._inflight[rec.seq] = rec
@@ -200,14 +178,45 @@ class Engine:
         return rec
 
     async def wait(self, rec: RequestRecord) -> None:
-        """Until ``rec`` is finished, aborted or dropped. Cancelling the caller aborts it (SGLang does)."""
-        if rec.state == DONE:
+        """Until ``rec`` is finished, aborted or its connection cut. Cancelling the caller is a
+        client disconnect (see ``disconnect``)."""
+        if rec.state == DONE or rec.cut:
             return
         try:
             await asyncio.shield(rec.done)
         except asyncio.CancelledError:
-            self.abort(rec)
+            self.disconnect(rec, stream=False)
             raise
+
+    def disconnect(self, rec: RequestRecord, stream: bool) -> None:
+        """The client went away: abort ``rec`` when SGLang would notice, not at once.
+
+        Non-streaming: at the next state-wait poll, every ``disconnect_poll_s`` from arrival
+        (tokenizer_manager._stream_one_response). Streaming: ``stream_abort_s`` after the
+        disconnect (create_abort_task). Until then the request keeps its slot, its rid and
+        generates. One timer per disconnected request only: the normal path has none."""
+        if rec.state == DONE or rec.client_gone:
+            return
+        rec.client_gone = True
+        delay = 0.0
+        if not self.s.instant:
+            now = self._now()
+            if stream:
+                delay = self.s.stream_abort_s / self.s.speedup
+            elif self.s.disconnect_poll_s > 0:
+                poll = self.s.disconnect_poll_s / self.s.speedup
+                elapsed = now - rec._t_arrived
+                delay = max(1, math.ceil(elapsed / poll - 1e-9)) * poll - elapsed
+        if delay <= 0:
+            self._abort_disconnected(rec)
+        else:
+            self._loop.call_later(delay, self._abort_disconnected, rec)
+
+    def _abort_disconnected(self, rec: RequestRecord) -> None:
+        # SGLang sends AbortReq(rid) for it, and the scheduler aborts by prefix: requests whose rid
+        # starts with this one go too.
+        if rec.state != DONE:
+            self.abort_rid(rec.rid)
 
     def abort(self, rec: RequestRecord) -> None:
         """Stop ``rec`` now: tokens made so far stay counted as generated and count as aborted."""
@@ -225,16 +234,15 @@ class Engine:
             tokens = min(rec.target, int(self._v - rec.v_start + 1e-6))
             del self._decoding[rec.seq]
             self.running -= 1
-        rec.dropped = False
-        self._close(rec, tokens, "abort", now)
+        self._close(rec, tokens, "drop" if rec.cut else "abort", now)
         self._admit(now)
         self._schedule()
 
     def abort_rid(self, rid: str) -> int:
         """SGLang's /abort_request: nothing unless ``rid`` is in flight, then every rid starting with it."""
-        live = list(self._inflight.values())
-        if not any(r.rid == rid for r in live):
+        if rid not in self.live_rids:
             return 0
+        live = list(self._inflight.values())
         hits = [r for r in live if r.rid.startswith(rid)]
         for r in hits:
             self.abort(r)
@@ -259,14 +267,33 @@ class Engine:
             self.dropped += 1
             self.dropped_tokens += tokens
             self.aborted_tokens += tokens
+        elif rec.client_gone:
+            # It ended by itself before SGLang noticed the disconnect: nobody got it, so it is waste.
+            self.orphaned += 1
+            self.orphaned_tokens += tokens
+            self.aborted_tokens += tokens
         else:
             self.completed += 1
             self.e2e.observe(now - rec._t_arrived)
         self._inflight.pop(rec.seq, None)
+        if self.live_rids.get(rec.rid) is rec:
+            del self.live_rids[rec.rid]
         if rec.done is not None and not rec.done.done():
             rec.done.set_result(None)
         if rec.waiter is not None and not rec.waiter.done():
             rec.waiter.set_result(None)
+
+    def _cut(self, rec: RequestRecord) -> None:
+        """A drop fault's moment: wake the handler (it closes the connection); generation goes on."""
+        if rec.cut:
+            return
+        rec.cut = True
+        for fut in (rec.done, rec.waiter):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        if rec.done is not None:
+            # A fresh future for the end itself (nobody waits on it: the handler is gone).
+            rec.done = self._loop.create_future()
 
     # --- the event loop of the model ------------------------------------------------------------
 
@@ -293,9 +320,12 @@ class Engine:
         # Finished decodes first (they free slots), with a tolerance of a microsecond of decoding.
         done_v = self._v + self.rate_per_request() * 1e-6
         heap = self._heap
-        while heap and (heap[0][2].state != DECODE or heap[0][0] <= done_v):
-            vf, _, rec = heapq.heappop(heap)
+        while heap and (heap[0][3].state != DECODE or heap[0][0] <= done_v):
+            _, _, kind, rec = heapq.heappop(heap)
             if rec.state != DECODE or rec.seq not in self._decoding:
+                continue
+            if kind == CUT:
+                self._cut(rec)
                 continue
             del self._decoding[rec.seq]
             self.running -= 1
@@ -313,14 +343,19 @@ class Engine:
             rec.state = DECODE
             rec.v_start = self._v
             self._decoding[rec.seq] = rec
-            heapq.heappush(heap, (self._v + rec.target, rec.seq, rec))
+            heapq.heappush(heap, (self._v + rec.target, rec.seq, FINISH, rec))
+            if rec.cut_at is not None:
+                if rec.cut_at <= 0:
+                    self._cut(rec)
+                else:
+                    heapq.heappush(heap, (self._v + rec.cut_at, rec.seq, CUT, rec))
         self._admit(now)
         self._schedule()
 
     def _schedule(self) -> None:
         """Point the one timer at the next prefill end or decode finish."""
         heap = self._heap
-        while heap and heap[0][2].state != DECODE:
+        while heap and heap[0][3].state != DECODE:
             heapq.heappop(heap)
         while self._prefill and self._prefill[0][1].state != PREFILL:
             self._prefill.popleft()
@@ -347,6 +382,7 @@ class Engine:
         return {
             "running": self.running, "queued": self.queued, "requests": self.requests,
             "completed": self.completed, "aborted": self.aborted, "dropped": self.dropped,
+            "orphaned": self.orphaned, "orphaned_tokens": self.orphaned_tokens,
             "generated_tokens": self.generated_tokens(), "aborted_tokens": self.aborted_tokens,
             "dropped_tokens": self.dropped_tokens, "prompt_tokens": self.prompt_tokens,
             "peak_running": self.peak_running, "peak_queued": self.peak_queued,

@@ -8,6 +8,8 @@ from aiohttp import web
 
 from simulator.model import RequestRecord, SimSettings
 from simulator.runner import (
+    WAITING_ABORT,
+    WEIGHT_VERSION,
     BadRequest,
     Runner,
     close_sse,
@@ -18,11 +20,30 @@ from simulator.runner import (
     opt_int,
     sse,
 )
+from simulator.sampling import SamplingError, check_contract, verify
 from simulator.texts import inline_text, output_ids
+
+# Bodies of /generate errors, by where SGLang raises them (entrypoints/http_server.py):
+# the JSON contract gate -> {"error": "<text>"}; a ValueError -> _create_error_response
+# {"error": {"message"}}; an HTTPException (queue full: 503) -> the flat ErrorResponse with
+# type str(status).
 
 
 def native_error(exc: BadRequest) -> web.Response:
+    if exc.kind == "contract":
+        return web.json_response({"error": exc.message}, status=exc.status)
+    if exc.kind == "overload":
+        return web.json_response({"object": "error", "message": exc.message, "type": str(exc.status),
+                                  "param": None, "code": exc.status}, status=exc.status)
     return web.json_response({"error": {"message": exc.message}}, status=exc.status)
+
+
+async def stream_error(request: web.Request, exc: BadRequest) -> web.StreamResponse:
+    """A ValueError of a streamed /generate comes after the 200: one error event, then [DONE]."""
+    resp = await open_sse(request)
+    await resp.write(sse({"error": {"message": exc.message, "type": "invalid_request_error", "code": exc.status,
+                                    "retryable": False}}))
+    return await close_sse(resp)
 
 
 def _inputs(body: dict) -> tuple[list[str | list[int]], bool]:
@@ -73,16 +94,33 @@ class NativeRoutes:
             if not batch and isinstance(body.get("rid"), list):
                 raise BadRequest("rid must be a string for a single input")
             sps = _per_item(body.get("sampling_params"), n, "sampling_params", dict)
+            try:
+                for sp in sps:
+                    check_contract(sp or {})
+            except SamplingError as exc:
+                raise BadRequest(str(exc), kind="contract") from exc
             if (err := self.runner.injected_error()) is not None:
                 raise err
+        except BadRequest as exc:
+            return native_error(exc)
+        try:
             items, caps = [], []
             for inp, rid, sp in zip(inputs, rids, sps, strict=True):
-                cap = opt_int(sp or {}, "max_new_tokens")
+                sp = sp or {}
+                cap = opt_int(sp, "max_new_tokens")
                 cap = 128 if cap is None else cap
-                items.append(self.runner.prompt_item(rid, inp, cap, "generate"))
+                item = self.runner.prompt_item(rid, inp, cap, "generate")
+                try:
+                    verify(sp)
+                except SamplingError as exc:
+                    raise BadRequest(str(exc), kind="sampling") from exc
+                item.sampling = sp
+                items.append(item)
                 caps.append(cap)
             recs = await self.runner.start(items)
         except BadRequest as exc:
+            if body.get("stream") and exc.status == 400:
+                return await stream_error(request, exc)
             return native_error(exc)
         if body.get("stream"):
             return await self._stream(request, recs, caps, batch)
@@ -92,10 +130,10 @@ class NativeRoutes:
 
     async def _stream(self, request: web.Request, recs: list[RequestRecord], caps: list[int],
                       batch: bool) -> web.StreamResponse:
-        with self.runner.aborting(recs):
+        with self.runner.aborting(recs, stream=True):
             resp = await open_sse(request)
             async for i, k, final in self.runner.progress_all(recs):
-                if final and recs[i].finish == "drop":
+                if final and (recs[i].cut or recs[i].finish == "drop"):
                     await drop_connection(request)
                 out = _output(recs[i], k, caps[i], final)
                 if batch:
@@ -107,8 +145,19 @@ class NativeRoutes:
 
 def _output(rec: RequestRecord, tokens: int, cap: int, final: bool) -> dict:
     # /generate returns the raw text, thinking inline, whatever the reasoning parser.
-    end = rec.finished if final and rec.finished is not None else time.time()
-    return {"text": inline_text(tokens, rec.reasoning_target), "output_ids": output_ids(tokens, rec.reasoning_target),
-            "meta_info": {"id": rec.rid, "finish_reason": finish_json(rec, cap) if final else None,
-                          "prompt_tokens": rec.prompt_tokens, "completion_tokens": tokens, "cached_tokens": 0,
-                          "reasoning_tokens": min(tokens, rec.reasoning_target), "e2e_latency": end - rec.arrived}}
+    now = time.time()
+    end = rec.finished if final and rec.finished is not None else now
+    text, ids = inline_text(tokens, rec.reasoning_target), output_ids(tokens, rec.reasoning_target)
+    if final and rec.finish == "abort" and rec.abort_message == WAITING_ABORT:
+        # tokenizer_manager._handle_abort_req builds this shorter meta_info.
+        return {"text": text, "output_ids": ids,
+                "meta_info": {"id": rec.rid, "finish_reason": finish_json(rec, cap), "weight_version": WEIGHT_VERSION,
+                              "e2e_latency": end - rec.arrived, "completion_tokens": tokens}}
+    # tokenizer_manager._handle_batch_output's keys, in its order (no dp_rank: one DP rank).
+    meta = {"id": rec.rid, "finish_reason": finish_json(rec, cap) if final else None,
+            "prompt_tokens": rec.prompt_tokens, "weight_version": WEIGHT_VERSION, "num_retractions": 0,
+            "reasoning_tokens": min(tokens, rec.reasoning_target), "completion_tokens": tokens, "cached_tokens": 0}
+    if final:
+        meta["e2e_latency"] = end - rec.arrived
+        meta["response_sent_to_client_ts"] = now
+    return {"text": text, "output_ids": ids, "meta_info": meta}

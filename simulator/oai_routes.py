@@ -11,6 +11,7 @@ from simulator.faults import ERROR_TYPES
 from simulator.model import RequestRecord, SimSettings
 from simulator.runner import (
     MATCHED_STOP,
+    WEIGHT_VERSION,
     BadRequest,
     Item,
     Runner,
@@ -21,32 +22,49 @@ from simulator.runner import (
     opt_int,
     sse,
 )
+from simulator.sampling import SamplingError, chat_sampling, verify
 from simulator.texts import content_text, estimate_tokens, inline_text, separated
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def oai_error(exc: BadRequest) -> web.Response:
-    # SGLang's OpenAI-compatible error body is flat, not OpenAI's nested envelope.
-    body = {"object": "error", "message": exc.message, "type": ERROR_TYPES.get(exc.status, "BadRequestError"),
-            "param": None, "code": exc.status}
+    # SGLang's OpenAI-compatible error body is flat (protocol.ErrorResponse), not OpenAI's envelope.
+    # A ValueError (context, sampling, duplicate rid) -> "BadRequestError" (serving_chat's
+    # create_error_response); an HTTPException (queue full) -> type str(status) (serving_base);
+    # a body FastAPI cannot parse into the request model -> "Bad Request" (http_server's
+    # RequestValidationError handler).
+    if exc.kind == "overload":
+        kind = str(exc.status)
+    elif exc.kind in ("content_type", "validation"):
+        kind = "Bad Request"
+    else:
+        kind = ERROR_TYPES.get(exc.status, "BadRequestError")
+    body = {"object": "error", "message": exc.message, "type": kind, "param": None, "code": exc.status}
     return web.json_response(body, status=exc.status)
 
 
 async def oai_body(request: web.Request) -> dict:
     if request.content_type != "application/json":
-        raise BadRequest(f"Content-Type must be application/json, got {request.content_type!r}")
+        # http_server.validate_json_request -> RequestValidationError -> 400 "Bad Request".
+        # (FastAPI's str() of the error list around it is not reproduced.)
+        raise BadRequest("Unsupported Media Type: Only 'application/json' is allowed", kind="content_type")
     return await json_object(request)
 
 
 
 
 def _usage(recs: list[RequestRecord]) -> dict:
+    # protocol.UsageInfo's keys in its order (usage_processor.calculate_token_usage).
     prompt = sum(r.prompt_tokens for r in recs)
     completion = sum(r.completion_tokens for r in recs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "reasoning_tokens": sum(min(r.completion_tokens, r.reasoning_target) for r in recs),
-            "prompt_tokens_details": None}
+    reasoning = sum(min(r.completion_tokens, r.reasoning_target) for r in recs)
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+            "prompt_tokens_details": None, "reasoning_tokens": reasoning,
+            "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
+
+
+_METADATA = {"weight_version": WEIGHT_VERSION}   # weight_versions.build_endpoint_weight_version_metadata
 
 
 def _matched(rec: RequestRecord) -> int | None:
@@ -73,7 +91,9 @@ class OpenAIRoutes:
                 text = "".join(content_text(m.get("content")) for m in messages)
             except (AttributeError, ValueError) as exc:
                 raise BadRequest(f"invalid messages: {exc}") from exc
-            max_tokens = opt_int(body, "max_completion_tokens", "max_tokens")
+            # to_sampling_params: max_completion_tokens or max_tokens (deprecated); other names are
+            # ignored (ChatCompletionRequest has pydantic's default extra="ignore").
+            max_tokens = opt_int(body, "max_completion_tokens") or opt_int(body, "max_tokens")
             kwargs = body.get("chat_template_kwargs") or {}
             thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
             separate = bool(self.s.reasoning_parser) and body.get("separate_reasoning", True) is not False
@@ -81,6 +101,11 @@ class OpenAIRoutes:
                 raise err
             item = Item(_rid(body), estimate_tokens(text), max_tokens, "chat", thinking=thinking)
             self.runner.check_context(item)
+            item.sampling = chat_sampling(body, self.s.generation_config)
+            try:
+                verify(item.sampling)
+            except SamplingError as exc:
+                raise BadRequest(str(exc), kind="sampling") from exc
             [rec] = await self.runner.start([item])
         except BadRequest as exc:
             return oai_error(exc)
@@ -92,9 +117,9 @@ class OpenAIRoutes:
         return web.json_response({
             "id": rec.rid, "object": "chat.completion", "created": int(time.time()), "model": self._model(body),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content,
-                                                  "reasoning_content": reasoning, "tool_calls": None},
+                                                  "reasoning_content": reasoning},
                          "logprobs": None, "finish_reason": _FINISH[rec.finish], "matched_stop": _matched(rec)}],
-            "usage": _usage([rec]),
+            "usage": _usage([rec]), "metadata": _METADATA,
         })
 
     async def _chat_stream(self, request: web.Request, rec: RequestRecord, model: str, separate: bool,
@@ -106,22 +131,21 @@ class OpenAIRoutes:
                          "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
                                       "matched_stop": matched}], "usage": None})
 
-        with self.runner.aborting([rec]):
+        with self.runner.aborting([rec], stream=True):
             resp = await open_sse(request)
-            await resp.write(chunk({"role": "assistant", "content": "", "reasoning_content": None,
-                                    "tool_calls": None}))
+            # DeltaMessage drops tool_calls when it is None (ChatCompletionResponseStreamChoice._serialize).
+            await resp.write(chunk({"role": "assistant", "content": "", "reasoning_content": None}))
             sent_r, sent_c = "", ""
             async for k, final in self.runner.progress(rec):
-                if final and rec.finish == "drop":
+                if final and (rec.cut or rec.finish == "drop"):
                     await drop_connection(request)
                 reasoning, content = _chat_texts(rec, k, separate)
                 reasoning = reasoning or ""
                 d_r, d_c = reasoning[len(sent_r):], content[len(sent_c):]
                 if d_r or d_c:
-                    await resp.write(chunk({"role": None, "content": d_c or None, "reasoning_content": d_r or None,
-                                            "tool_calls": None}))
+                    await resp.write(chunk({"role": None, "content": d_c or None, "reasoning_content": d_r or None}))
                     sent_r, sent_c = reasoning, content
-            await resp.write(chunk({"role": None, "content": None, "reasoning_content": None, "tool_calls": None},
+            await resp.write(chunk({"role": None, "content": None, "reasoning_content": None},
                                    _FINISH[rec.finish], _matched(rec)))
             if include_usage:
                 await resp.write(sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created,
@@ -155,7 +179,7 @@ class OpenAIRoutes:
             "created": int(time.time()), "model": model,
             "choices": [{"index": i, "text": inline_text(r.completion_tokens, r.reasoning_target), "logprobs": None,
                          "finish_reason": _FINISH[r.finish], "matched_stop": _matched(r)} for i, r in enumerate(recs)],
-            "usage": _usage(recs),
+            "usage": _usage(recs), "metadata": _METADATA,
         })
 
     async def _completions_stream(self, request: web.Request, recs: list[RequestRecord], model: str,
@@ -168,12 +192,12 @@ class OpenAIRoutes:
                          "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish,
                                       "matched_stop": matched}], "usage": None})
 
-        with self.runner.aborting(recs):
+        with self.runner.aborting(recs, stream=True):
             resp = await open_sse(request)
             sent = [""] * len(recs)
             async for i, k, final in self.runner.progress_all(recs):
                 rec = recs[i]
-                if final and rec.finish == "drop":
+                if final and (rec.cut or rec.finish == "drop"):
                     await drop_connection(request)
                 text = inline_text(k, rec.reasoning_target)
                 delta, sent[i] = text[len(sent[i]):], text

@@ -18,6 +18,8 @@ from simulator.model import DONE, Engine, RequestRecord, SimSettings
 from simulator.texts import estimate_tokens
 
 MATCHED_STOP = 2   # the EOS id the simulated model "stops" on
+WAITING_ABORT = "Abort in waiting queue"
+WEIGHT_VERSION = "default"   # SGLang's --weight-version default
 
 
 class BadRequest(Exception):
@@ -51,6 +53,7 @@ class Item:
     endpoint: str
     input_ids_head: list[int] | None = None
     thinking: bool = True           # chat_template_kwargs.enable_thinking=false turns it off
+    sampling: dict | None = None    # the effective sampling parameters, recorded for /sim/requests
 
 
 class Runner:
@@ -79,7 +82,8 @@ class Runner:
         return item
 
     def check_context(self, item: Item) -> None:
-        """SGLang's two context checks, with its messages (the second uses >=, as SGLang does)."""
+        """SGLang's two context checks, with its messages (tokenizer_manager._validate_one_request):
+        input >= context, then input + max_new_tokens > context."""
         ctx = self.faults.faults.context_length
         n = item.prompt_tokens
         if n >= ctx:
@@ -87,7 +91,7 @@ class Runner:
             raise BadRequest(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).",
                              kind="context_length")
         m = item.max_new_tokens
-        if m is not None and n + m >= ctx:
+        if m is not None and n + m > ctx:
             self.faults.count("context_length")
             raise BadRequest(
                 f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
@@ -100,8 +104,17 @@ class Runner:
         spike = self.faults.spike_s()
         if spike:
             await asyncio.sleep(spike)
+        seen: set[str] = set()
+        for item in items:
+            # tokenizer_manager: a rid still in rid_to_state (or twice in one batch) is refused.
+            if item.rid is not None and (item.rid in self.engine.live_rids or item.rid in seen):
+                self.faults.count("duplicate_rid")
+                raise BadRequest(f"Duplicate request ID detected: {item.rid}", kind="duplicate_rid")
+            if item.rid is not None:
+                seen.add(item.rid)
         limit = self.s.max_queued_requests
         if limit is not None and self.engine.queued + len(items) > limit:
+            # scheduler._abort_on_queued_limit: finish_reason abort with status 503 -> HTTPException.
             self.faults.count("overload")
             raise BadRequest("The request queue is full.", status=503, kind="overload")
         recs = []
@@ -115,20 +128,21 @@ class Runner:
             rec = RequestRecord(item.rid or uuid.uuid4().hex, item.prompt_tokens, target,
                                 "length" if wanted >= cap else "stop", item.endpoint, item.input_ids_head,
                                 round(frac * wanted))
+            rec.sampling = item.sampling
             # One connection per HTTP request: a drop is rolled once and cuts the first item.
             drop_at = self.faults.drop_at(target) if drop and i == 0 else None
             recs.append(self.engine.submit(rec, drop_at))
         return recs
 
     @contextlib.contextmanager
-    def aborting(self, recs: list[RequestRecord]) -> Iterator[None]:
-        """Abort ``recs`` if the block fails: a client disconnect cancels the handler, and SGLang
-        then aborts the request, so the simulator stops generating too."""
+    def aborting(self, recs: list[RequestRecord], stream: bool = False) -> Iterator[None]:
+        """If the block fails (a client disconnect cancels the handler), the requests are aborted
+        when SGLang would notice the disconnect (Engine.disconnect), not at once."""
         try:
             yield
         except BaseException:
             for rec in recs:
-                self.engine.abort(rec)
+                self.engine.disconnect(rec, stream)
             raise
 
     async def wait_all(self, recs: list[RequestRecord], request: web.Request) -> None:
@@ -136,24 +150,25 @@ class Runner:
         with self.aborting(recs):
             for rec in recs:
                 await self.engine.wait(rec)
-                if rec.finish == "drop":
+                if rec.cut or rec.finish == "drop":
                     await drop_connection(request)
 
     async def progress(self, rec: RequestRecord) -> AsyncIterator[tuple[int, bool]]:
         """(tokens, final) as ``rec`` grows, at most one every stream interval; the final one last."""
         last = -1
         loop = asyncio.get_running_loop()
-        while rec.state != DONE:
+        while rec.state != DONE and not rec.cut:
             rec.waiter = loop.create_future()   # resolved by the next tick, or by the engine when rec ends
             self._ticker.add(rec.waiter)
             await rec.waiter
-            if rec.state == DONE:
+            if rec.state == DONE or rec.cut:
                 break
             k = self.engine.tokens_now(rec)
             if k != last:
                 last = k
                 yield k, False
-        yield rec.completion_tokens, True
+        # A cut (drop fault) request is still running: the handler closes the connection now.
+        yield (rec.completion_tokens if rec.state == DONE else self.engine.tokens_now(rec)), True
 
     async def progress_all(self, recs: list[RequestRecord]) -> AsyncIterator[tuple[int, int, bool]]:
         """(index, tokens, final) over several requests (a streamed batch), as they come."""
@@ -243,7 +258,11 @@ def opt_int(body: dict, *names: str, minimum: int = 0) -> int | None:
 def finish_json(rec: RequestRecord, max_new_tokens: int | None) -> dict:
     """/generate's finish_reason object."""
     if rec.finish == "abort":
-        return {"type": "abort", "message": rec.abort_message}
+        if rec.abort_message == WAITING_ABORT:
+            # tokenizer_manager._handle_abort_req: the scheduler never ran it; no status or type.
+            return {"type": "abort", "message": WAITING_ABORT}
+        # schedule_batch.FINISH_ABORT().to_json() for a running request.
+        return {"type": "abort", "message": rec.abort_message, "status_code": None, "err_type": None}
     if rec.finish == "length":
         return {"type": "length", "length": max_new_tokens if max_new_tokens is not None else rec.completion_tokens}
     return {"type": "stop", "matched": MATCHED_STOP}

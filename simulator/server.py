@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -18,9 +19,9 @@ from simulator.faults import FaultInjector, Faults
 from simulator.model import Engine, SimSettings
 from simulator.native import NativeRoutes
 from simulator.oai_routes import OpenAIRoutes
-from simulator.runner import Runner
+from simulator.runner import WEIGHT_VERSION, Runner
 
-VERSION = "0.5.15-sim"
+VERSION = "0.5.23-sim"   # the SGLang release whose behaviour the simulator mirrors
 _NO_KEY = {"/health", "/health_generate", "/metrics"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -32,7 +33,8 @@ class SimServer:
         self.engine = Engine(settings)
         self.faults = FaultInjector(Faults(
             error_rate=settings.error_rate, error_codes=settings.error_codes, spike_rate=settings.spike_rate,
-            spike_s=settings.spike_s, drop_rate=settings.drop_rate, context_length=settings.context_length),
+            spike_s=settings.spike_s, drop_rate=settings.drop_rate, context_length=settings.context_length,
+            drop_after_tokens=settings.drop_after_tokens),
             settings.seed)
         self.runner = Runner(settings, self.engine, self.faults)
         self.started = time.time()
@@ -51,6 +53,7 @@ class SimServer:
             web.get("/model_info", self.model_info),
             web.get("/get_server_info", self.server_info),
             web.get("/server_info", self.server_info),
+            web.get("/v1/loads", self.loads),
             web.post("/abort_request", self.abort_request),
             web.get("/metrics", self.metrics),
             web.get("/sim/stats", self.sim_stats),
@@ -89,25 +92,56 @@ class SimServer:
             "id": self.s.model, "object": "model", "created": int(self.started), "owned_by": "sglang",
             "root": self.s.model, "parent": None, "max_model_len": self.faults.faults.context_length}]})
 
+    def _kv_tokens(self) -> int:
+        s = self.s
+        return s.max_total_num_tokens if s.max_total_num_tokens is not None else s.max_running_requests * 4096
+
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.s.model, "tokenizer_path": self.s.model,
+        # http_server.model_info's keys.
+        s = self.s
+        return web.json_response({"model_path": s.model, "served_model_name": s.model, "tokenizer_path": s.model,
                                   "is_generation": True, "preferred_sampling_params": None,
-                                  "weight_version": "default", "has_image_understanding": False,
+                                  "weight_version": WEIGHT_VERSION, "load_format": "auto",
+                                  "reasoning_parser": s.reasoning_parser, "tool_call_parser": None,
+                                  "disaggregation_mode": "null", "has_image_understanding": False,
                                   "has_audio_understanding": False, "model_type": "simulator",
                                   "architectures": ["SimulatedForCausalLM"]})
 
     async def server_info(self, request: web.Request) -> web.Response:
+        # http_server.server_info: server args + scheduler info + internal_states per DP rank.
         s, f = self.s, self.faults.faults
         args = {"model_path": s.model, "tokenizer_path": s.model, "served_model_name": s.model,
                 "host": self.host, "port": self.port, "max_running_requests": s.max_running_requests,
                 "max_queued_requests": s.max_queued_requests, "context_length": f.context_length,
                 "reasoning_parser": s.reasoning_parser, "random_seed": s.seed, "enable_metrics": True,
+                "sampling_defaults": "model", "dp_size": 1, "weight_version": WEIGHT_VERSION,
                 "api_key": None if s.api_key is None else "***"}
-        return web.json_response({**args, "max_req_input_len": f.context_length - 1, "version": VERSION,
-                                  "internal_states": [{"last_gen_throughput": self.engine.throughput()}],
+        state = {"world_size": 1, "startup_time": self.started,
+                 "effective_max_running_requests_per_dp": s.max_running_requests,
+                 "last_gen_throughput": self.engine.throughput(),
+                 "memory_usage": {"weight": 0.0, "kvcache": 0.0, "startup_available": 0.0,
+                                  "token_capacity": self._kv_tokens(), "token_capacity_swa": None, "graph": {}}}
+        return web.json_response({**args, "launch_command": "budgetq sim", "max_total_num_tokens": self._kv_tokens(),
+                                  "max_req_input_len": f.context_length - 1, "startup_time": self.started,
+                                  "internal_states": [state], "version": VERSION, "frontend": "python",
                                   "simulator": {"peak_tok_s": s.peak_tok_s, "half_batch": s.half_batch,
                                                 "prefill_tok_s": s.prefill_tok_s, "speedup": s.speedup,
-                                                "instant": s.instant}})
+                                                "instant": s.instant, "disconnect_poll_s": s.disconnect_poll_s,
+                                                "stream_abort_s": s.stream_abort_s}})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        # entrypoints/v1_loads.get_loads with one DP rank: LoadSnapshot's core keys.
+        e, total = self.engine, self._kv_tokens()
+        used = min(total, sum(r.prompt_tokens + e.tokens_now(r) for r in e.live_rids.values()))
+        load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": e.running, "num_waiting_reqs": e.queued,
+                "num_waiting_uncached_tokens": 0, "num_used_tokens": used, "num_total_tokens": total,
+                "num_active_tokens": total, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": total,
+                "max_running_requests": self.s.max_running_requests, "token_usage": used / total if total else 0.0,
+                "gen_throughput": e.throughput(), "cache_hit_rate": 0.0,
+                "utilization": e.running / self.s.max_running_requests, "total_prefill_uncached_tokens": 0,
+                "total_prefill_busy_us": 0, "decode_moments": None}
+        return web.json_response({"timestamp": datetime.now(UTC).isoformat(), "version": VERSION,
+                                  "accelerator": None, "num_accelerators": 1, "loads": [load]})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:

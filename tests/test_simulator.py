@@ -88,13 +88,17 @@ def test_chat_shape_and_reasoning_inline_without_parser():
         ch = body["choices"][0]
         assert set(ch) == {"index", "message", "logprobs", "finish_reason", "matched_stop"}
         msg = ch["message"]
-        assert msg["role"] == "assistant" and msg["reasoning_content"] is None and msg["tool_calls"] is None
+        # ChatMessage drops tool_calls when None (SGLang 0.5.23 protocol.py).
+        assert set(msg) == {"role", "content", "reasoning_content"}
+        assert msg["role"] == "assistant" and msg["reasoning_content"] is None
+        assert body["metadata"] == {"weight_version": "default"}
         assert ch["finish_reason"] == "length" and ch["matched_stop"] is None
         # No parser: the thinking stays in content; cut by max_tokens, it never reached </think>.
         assert msg["content"].startswith("<think>") and "</think>" not in msg["content"]
         usage = body["usage"]
         assert usage["completion_tokens"] == 10 and usage["total_tokens"] == usage["prompt_tokens"] + 10
         assert usage["reasoning_tokens"] == 10 and usage["prompt_tokens_details"] is None
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 10}
         _, body = await post(c, u + CHAT, {"messages": MSGS, "max_tokens": 9000})
         think, answer = body["choices"][0]["message"]["content"].split("</think>")
         assert len(think.split()) == 2500 and len(answer.split()) == 2500
@@ -233,10 +237,11 @@ def test_validation_errors_are_400_with_sglang_bodies():
         async with c.post(u + CHAT, data=json.dumps({"messages": MSGS}),
                           headers={"Content-Type": "text/plain"}) as r:
             body = await r.json(content_type=None)
-        assert r.status == 400 and body["object"] == "error" and "Content-Type" in body["message"]
+        assert r.status == 400 and body["object"] == "error" and "application/json" in body["message"]
         assert set(body) == {"object", "message", "type", "param", "code"} and body["param"] is None
         status, body = await post(c, u + CHAT, {"messages": MSGS, "max_tokens": "lots"})
         assert status == 400 and body["code"] == 400 and "max_tokens" in body["message"]
+        assert body["type"] == "Bad Request"             # a request-model parse error (RequestValidationError)
         status, body = await post(c, u + "/v1/completions", {"prompt": 5})
         assert status == 400 and body["object"] == "error"
         status, body = await post(c, u + "/generate", {"sampling_params": {}})
@@ -350,7 +355,8 @@ def test_client_disconnect_aborts_and_counts_aborted_tokens():
             await r.content.readline()
         stats = await until(c, u, lambda s: s["aborted"] == 2)
         assert stats["running"] == 0
-    run_sim(scenario, length_mean=10**6, length_sigma=0.0, context_length=10**7, stream_interval_s=0.01)
+    run_sim(scenario, length_mean=10**6, length_sigma=0.0, context_length=10**7, stream_interval_s=0.01,
+            disconnect_poll_s=0, stream_abort_s=0)
 
 
 def test_abort_request_route_ends_requests_with_finish_abort():
@@ -362,7 +368,9 @@ def test_abort_request_route_ends_requests_with_finish_abort():
         await until(c, u, lambda s: s["running"] == 1 and s["queued"] == 2)
         assert (await post(c, u + "/abort_request", {"rid": "job-1"}))[0] == 200
         status, body = await one
-        assert status == 200 and body["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted"}
+        # schedule_batch.FINISH_ABORT().to_json()
+        assert status == 200 and body["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted",
+                                                                        "status_code": None, "err_type": None}
         await until(c, u, lambda s: s["running"] == 1)
         assert (await post(c, u + "/abort_request", {"abort_all": True}))[0] == 200
         _, body = await queued
@@ -460,7 +468,11 @@ def test_queue_overflow_answers_503():
         tasks = [asyncio.create_task(post(c, u + "/generate", long)) for _ in range(3)]
         await until(c, u, lambda s: s["queued"] == 2)
         status, body = await post(c, u + CHAT, {"messages": MSGS})
-        assert status == 503 and body["type"] == "ServiceUnavailableError"
+        # An HTTPException(503) in SGLang: the flat ErrorResponse with type str(status), on both APIs.
+        assert status == 503 and body == {"object": "error", "message": "The request queue is full.", "type": "503",
+                                          "param": None, "code": 503}
+        status, body = await post(c, u + "/generate", long)
+        assert status == 503 and body["type"] == "503" and body["message"] == "The request queue is full."
         await post(c, u + "/abort_request", {"abort_all": True})
         await asyncio.gather(*tasks)
     run_sim(scenario, length_mean=10**6, length_sigma=0.0, context_length=10**7, max_running_requests=1,
@@ -503,3 +515,27 @@ def test_cli_rejects_bad_flags_naming_them():
         out = subprocess.run([sys.executable, "-m", "budgetq.cli", "sim", "--port", "1", *flags],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and named in out.stderr
+
+
+def test_cli_fidelity_flags_reach_the_server(sim_factory, tmp_path):
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"temperature": 0.6, "top_k": 20, "eos_token_id": 2}))
+    sim = sim_factory("--speedup", "1000", "--length-mean", "10", "--disconnect-poll-s", "0", "--stream-abort-s",
+                      "0.5", "--max-total-num-tokens", "9999", "--generation-config", str(gen))
+    _, info = _http(sim + "/server_info")
+    assert info["simulator"]["disconnect_poll_s"] == 0 and info["simulator"]["stream_abort_s"] == 0.5
+    assert info["max_total_num_tokens"] == 9999
+    assert _http(sim + CHAT, {"messages": MSGS, "rid": "g1", "max_tokens": 3})[0] == 200
+    _, recs = _http(sim + "/sim/requests")
+    assert recs[-1]["sampling"]["temperature"] == 0.6 and recs[-1]["sampling"]["top_k"] == 20
+
+
+def test_cli_rejects_bad_fidelity_flags_naming_them(tmp_path):
+    bad = tmp_path / "g.json"
+    bad.write_text('{"top_p": "high"}')
+    for flags, named in ((["--disconnect-poll-s", "-1"], "--disconnect-poll-s"),
+                         (["--generation-config", str(tmp_path / "missing.json")], "missing.json"),
+                         (["--generation-config", str(bad)], "top_p")):
+        out = subprocess.run([sys.executable, "-m", "budgetq.cli", "sim", "--port", "1", *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and named in out.stderr, out.stderr

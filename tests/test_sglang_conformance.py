@@ -1,0 +1,194 @@
+"""The simulator's answers and budgetq's requests, checked against SGLang's own code (the wheel).
+
+tests/sglang_contract.py loads SGLang's protocol models from the installed wheel (version in
+tests/SGLANG_VERSION). A simulator response must survive SGLang's model round trip unchanged
+(same keys, same values); every body worker.sglang_client.build_request makes must pass
+SGLang's request models and SamplingParams.verify(). The body is validated as built, whatever
+keys it has today.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+
+from shared.config import ServerConfig
+from shared.schema import JobPayload, Message, SamplingParams
+from shared.sglang_names import CHAT_REQUEST_KEYS, GENERATE_CONTRACT_SAMPLING_KEYS, GENERATE_SAMPLING_KEYS
+from simulator import sampling as sim_sampling
+from tests import sglang_contract as sc
+from tests.test_simulator import CHAT, MSGS, post, run_sim, sse, until
+from worker.sglang_client import build_request
+
+# --- name sets ------------------------------------------------------------------------------------
+
+
+def test_the_installed_wheel_is_the_pinned_version():
+    assert sc.SGL.version == sc.WANTED_VERSION
+
+
+def test_shared_sglang_names_match_the_wheel():
+    assert GENERATE_SAMPLING_KEYS == sc.SAMPLING_PARAMS_INIT_KEYS
+    assert CHAT_REQUEST_KEYS == sc.CHAT_REQUEST_FIELDS
+    assert GENERATE_CONTRACT_SAMPLING_KEYS == frozenset(sc.CONTRACT_SAMPLING_FIELDS)
+
+
+def test_the_simulators_contract_gate_matches_sglangs():
+    assert sim_sampling.CONTRACT_FIELDS == sc.CONTRACT_SAMPLING_FIELDS
+    for params in ({"max_tokens": 5}, {"top_p": "x"}, {"top_k": 1.5}, {"ignore_eos": 1}, {"regex": 3}):
+        with pytest.raises(sc.SGL.api_types.JsonContractError) as real:
+            sc.SGL.api_types.GenerateRequest.from_json_value({"text": "x", "sampling_params": params})
+        with pytest.raises(sim_sampling.SamplingError) as sim:
+            sim_sampling.check_contract(params)
+        assert str(sim.value) == str(real.value), params
+
+
+@pytest.mark.parametrize("params", [
+    {"top_p": 0}, {"top_k": 0}, {"temperature": -1}, {"min_p": 2}, {"repetition_penalty": 0},
+    {"repetition_penalty": 2.5}, {"frequency_penalty": -3}, {"presence_penalty": 2.1}, {"min_new_tokens": -1},
+    {"max_new_tokens": -1}, {"min_new_tokens": 5, "max_new_tokens": 2}, {"beam_width": 0},
+    {"regex": "a", "ebnf": "b"}, {"temperature": float("inf")}, {"sampling_seed": 2**64},
+    {"temperature": 0, "top_k": 0}, {"top_k": -1}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05},
+    {"top_p": None, "top_k": None, "temperature": None},
+])
+def test_the_simulators_verify_matches_sglangs(params):
+    try:
+        sc.sampling_params(params)
+        real = None
+    except ValueError as exc:
+        real = str(exc)
+    try:
+        sim_sampling.verify(params)
+        sim = None
+    except sim_sampling.SamplingError as exc:
+        sim = str(exc)
+    assert sim == real
+
+
+# --- simulator responses -> SGLang's response models ----------------------------------------------
+
+
+def _events(events: list) -> list[dict]:
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def test_chat_and_completions_responses_round_trip_exactly():
+    async def scenario(c, u):
+        out = []
+        for body in ({"messages": MSGS, "max_tokens": 8}, {"messages": MSGS, "max_completion_tokens": 10**4},
+                     {"messages": MSGS, "max_tokens": 8, "separate_reasoning": False}):
+            status, resp = await post(c, u + CHAT, body)
+            assert status == 200
+            out.append(("ChatCompletionResponse", resp))
+        status, resp = await post(c, u + "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 5})
+        out.append(("CompletionResponse", resp))
+        for ev in _events(await sse(c, u + CHAT, {"messages": MSGS, "max_tokens": 30, "stream": True,
+                                                   "stream_options": {"include_usage": True}})):
+            out.append(("ChatCompletionStreamResponse", ev))
+        for ev in _events(await sse(c, u + "/v1/completions", {"prompt": "a", "max_tokens": 30, "stream": True,
+                                                               "stream_options": {"include_usage": True}})):
+            out.append(("CompletionStreamResponse", ev))
+        return out
+
+    checked = run_sim(scenario, speedup=1000, length_mean=20, reasoning_tokens_frac=0.3, reasoning_parser="qwen3",
+                      stream_interval_s=0.001)
+    assert {name for name, _ in checked} == {"ChatCompletionResponse", "CompletionResponse",
+                                             "ChatCompletionStreamResponse", "CompletionStreamResponse"}
+    for name, data in checked:
+        assert sc.round_trip(name, data) == [], (name, json.dumps(data))
+
+
+def test_aborted_chat_round_trips_with_finish_reason_abort():
+    async def scenario(c, u):
+        task = asyncio.create_task(post(c, u + CHAT, {"messages": MSGS, "rid": "ab", "max_tokens": 10**6}))
+        await until(c, u, lambda s: s["running"] == 1)
+        await post(c, u + "/abort_request", {"rid": "ab"})
+        return (await task)[1]
+
+    resp = run_sim(scenario, length_mean=10**6, length_sigma=0.0, context_length=10**7)
+    assert resp["choices"][0]["finish_reason"] == "abort"
+    assert sc.round_trip("ChatCompletionResponse", resp) == []
+
+
+def test_error_bodies_are_sglangs_error_response():
+    async def scenario(c, u):
+        bodies = [
+            (await post(c, u + CHAT, {"messages": MSGS, "max_tokens": 10**6}))[1],             # context
+            (await post(c, u + CHAT, {"messages": MSGS, "max_tokens": 5, "top_p": 0}))[1],     # verify()
+            (await post(c, u + "/v1/completions", {"prompt": "x" * 400, "max_tokens": 1}))[1],  # input too long
+        ]
+        return bodies
+
+    for body in run_sim(scenario, speedup=1000, length_mean=5, context_length=100):
+        assert sc.round_trip("ErrorResponse", body) == [] and body["code"] == 400
+
+
+def test_generate_responses_decode_with_sglangs_api_types():
+    async def scenario(c, u):
+        out = [(await post(c, u + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 6}}))[1]]
+        batch = {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 4}}
+        out += (await post(c, u + "/generate", batch))[1]
+        out += _events(await sse(c, u + "/generate", {"text": "x", "stream": True,
+                                                      "sampling_params": {"max_new_tokens": 20}}))
+        return out
+
+    for resp in run_sim(scenario, speedup=1000, length_mean=10, stream_interval_s=0.001):
+        decoded = sc.SGL.api_types.GenerateResponse.from_json_value(resp)
+        assert decoded.meta_info.id == resp["meta_info"]["id"]
+        assert decoded.meta_info.completion_tokens == resp["meta_info"]["completion_tokens"]
+        assert decoded.meta_info.weight_version == "default"
+
+
+# --- budgetq's request bodies -> SGLang's request models ------------------------------------------
+
+SAMPLINGS = [
+    SamplingParams(),
+    SamplingParams(max_tokens=64, temperature=0.0),
+    SamplingParams(max_tokens=128, temperature=0.6, top_p=0.95, top_k=20, min_p=0.0),
+    SamplingParams(temperature=1.0, top_p=0.8, top_k=-1, min_p=0.1, stop=["</s>", "\n\nUser:"], seed=1234),
+    SamplingParams(extra={"repetition_penalty": 1.05}),
+    SamplingParams(extra={"presence_penalty": 0.5, "frequency_penalty": 0.1}),
+]
+
+
+def _payload(sp: SamplingParams, with_ids: bool) -> JobPayload:
+    return JobPayload(id="p1", dataset="A1", messages=[Message(role="user", content="hello")],
+                      input_ids=[1, 2, 3] if with_ids else None, sampling=sp,
+                      chat_template_kwargs={"enable_thinking": False})
+
+
+@pytest.mark.parametrize(("api", "sp", "with_ids"), [
+    (api, sp, ids) for api, sp, ids in itertools.product(("chat", "generate"), SAMPLINGS, (True, False))])
+def test_every_request_budgetq_builds_passes_sglangs_request_models(api, sp, with_ids):
+    server = ServerConfig(api=api, tokenizer="tok" if api == "generate" else None)
+    path, body = build_request(server, _payload(sp, with_ids), "A1-p1.0123456789ab")
+    body = json.loads(json.dumps(body))          # what goes over the wire
+    if path == "/v1/chat/completions":
+        req = sc.validate_chat_request(body)
+        # Nothing budgetq sends is silently dropped by SGLang's chat model.
+        assert set(body) <= sc.CHAT_REQUEST_FIELDS, set(body) - sc.CHAT_REQUEST_FIELDS
+        assert req.rid == body["rid"]
+    else:
+        assert path == "/generate"
+        sc.validate_generate_request(body)
+
+
+@pytest.mark.parametrize("params", [{"top_p": 0}, {"top_k": 0}, {"temperature": -1}, {"repetition_penalty": 3},
+                                    {"min_p": 0.5, "top_k": 5}])
+def test_the_simulators_chat_route_refuses_what_sglangs_chat_refuses(params):
+    body = {"messages": MSGS, "max_completion_tokens": 5, **params}
+    try:
+        sc.validate_chat_request(body)
+        real = None
+    except ValueError as exc:
+        real = str(exc)
+
+    async def scenario(c, u):
+        return await post(c, u + CHAT, body)
+
+    status, resp = run_sim(scenario, speedup=1000, length_mean=5)
+    assert (status, resp.get("message")) == ((200, None) if real is None else (400, real))
