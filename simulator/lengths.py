@@ -1,13 +1,26 @@
-"""Response lengths: lognormal, deterministic per (seed, rid) so retries and policies see the same length."""
+"""Response lengths: lognormal, deterministic per (seed, rid) so retries and policies see the same length.
+
+budgetq sends a fresh rid per attempt, ``<job id>.<12 hex>`` (worker/sglang_client.py); the
+draw ignores that suffix, so every attempt of a job, in every run, gets the same length and
+benchmarks compare policies on the same responses. (A real server samples each attempt anew;
+the simulator trades that for reproducible measurements.)
+"""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import random
+import re
 from statistics import NormalDist
 
 _UNIT = NormalDist()
+_ATTEMPT = re.compile(r"\.[0-9a-f]{12}$")
+
+
+def draw_key(rid: str) -> str:
+    """The part of a rid a length depends on: without budgetq's per-attempt suffix."""
+    return _ATTEMPT.sub("", rid)
 
 
 def rid_uniform(seed: int, rid: str) -> float:
@@ -40,7 +53,7 @@ class LengthModel:
         With a rid the draw is a pure function of (seed, rid); without one it comes from the seeded
         random stream, so it depends on arrival order.
         """
-        u = rid_uniform(self.seed, rid) if rid else self._rng.random() or 0.5
+        u = rid_uniform(self.seed, draw_key(rid)) if rid else self._rng.random() or 0.5
         sigma = self.sigma
         # lognormal with E[X] = mean: mu = ln(mean) - sigma^2 / 2
         mu = math.log(self.mean_for(rid)) - sigma * sigma / 2

@@ -26,6 +26,7 @@ KEY_RATIO = {
     "scale": "ratio to model",
     "producer_memory": "peak RSS ratio to the smallest",
     "check_rate": "peak RSS ratio to the smallest",
+    "end_game": "used/budget (worst)",
 }
 
 

@@ -318,3 +318,12 @@ def test_the_names_module_and_the_pinned_wheel_name_the_same_sglang_version():
 
     pinned = (Path(__file__).parent / "SGLANG_VERSION").read_text().strip()
     assert SGLANG_VERSION == pinned
+
+
+def test_every_attempt_of_a_job_gets_the_same_simulated_length():
+    from simulator.lengths import LengthModel, draw_key
+
+    model = LengthModel(7, 1500, 0.8)
+    rids = [attempt_rid("D--p1") for _ in range(5)]
+    assert len({model.draw(r) for r in rids}) == 1 and model.draw(rids[0]) == model.draw("D--p1")
+    assert draw_key("D--p1.0123456789ab") == "D--p1" and draw_key("D--p1.xyz") == "D--p1.xyz"
