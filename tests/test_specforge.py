@@ -257,3 +257,25 @@ def test_the_export_check_agrees_with_specforges_validator(row):
     except ValueError:
         ok = False
     assert (specforge_problem(row) is None) == ok, specforge_problem(row)
+
+
+def test_kept_truncated_rows_are_announced_and_left_out_of_the_specforge_export(tmp_path, redis_url, conn,
+                                                                                sim_factory, capsys):
+    sim = sim_factory("--speedup", "200", "--length-mean", "200", "--seed", "4")
+    src = tmp_path / "D.jsonl"
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"question {i}"}) + "\n" for i in range(4)))
+    cfg = write_config(tmp_path, redis_url, [sim], [{"name": "D", "path": str(src), "budget": "1M", "id_field": "id",
+                                                     "keep": "all", "sampling": {"max_tokens": 3}}])
+    prod = subprocess.Popen([*PY, "produce", "-c", str(cfg)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        subprocess.run([*PY, "worker", "--burst", "-c", str(cfg)], cwd=ROOT, check=True, timeout=60)
+        while prod.poll() is None:
+            subprocess.run([*PY, "worker", "--burst", "-c", str(cfg)], cwd=ROOT, check=True, timeout=60)
+    finally:
+        _, err = prod.communicate(timeout=60)
+    cut = [r for r in rows(tmp_path / "out" / "D.jsonl") if r["finish_reason"] == "length"]
+    assert cut, "the lengths drawn should exceed max_tokens 3"
+    assert f"dataset D: {len(cut)} row(s) written this run were cut by max_tokens" in err
+    assert main(["export", "-c", str(cfg), "--format", "specforge"]) == 0
+    assert f"{len(cut)} truncated row(s) left out" in capsys.readouterr().out
+    assert len(rows(tmp_path / "out" / "D.specforge.jsonl")) == 4 - len(cut)
