@@ -85,7 +85,7 @@ def _row(raw: bytes) -> ResultRow:
     except ValidationError as exc:
         raise ValueError(_error(exc)) from None
     if old_reasoning and row.conversations and row.reasoning is None:
-        row.conversations[-1] = Message(**row.conversations[-1].model_dump(), reasoning_content=old_reasoning)
+        row.conversations[-1] = Message(**{**row.conversations[-1].model_dump(), "reasoning_content": old_reasoning})
     return row
 
 
