@@ -42,6 +42,8 @@ def _cache() -> Path:
 def _wheel() -> Path:
     given = os.environ.get("BUDGETQ_SPECFORGE_WHEEL")
     if given:
+        if not Path(given).is_file():
+            raise SpecForgeUnavailable(f"BUDGETQ_SPECFORGE_WHEEL={given} is not a file")
         return Path(given)
     where = _cache() / f"specforge-{SPECFORGE_VERSION}"
     found = sorted(where.glob("specforge-*.whl"))
