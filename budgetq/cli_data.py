@@ -12,7 +12,7 @@ from budgetq.cli_common import load, with_config
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from producer.export import export_parquet
+    from producer.export import export_parquet, export_specforge, specforge_note
     from producer.meta import meta_path
 
     cfg = load(args)
@@ -27,8 +27,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"{name}: no {source}: nothing to export", file=sys.stderr)
             missing += 1
             continue
-        res = export_parquet(source, dest / f"{name}.parquet", meta=meta_path(cfg.output_dir, name))
+        if args.format == "specforge":
+            res = export_specforge(source, dest / f"{name}.specforge.jsonl")
+        else:
+            res = export_parquet(source, dest / f"{name}.parquet", meta=meta_path(cfg.output_dir, name))
         note = f", {res.malformed} malformed line(s) skipped" if res.malformed else ""
+        note += specforge_note(res)
         print(f"{name}: {res.rows} rows -> {res.target}{note}")
         for msg in res.reports:
             print(f"  {msg}", file=sys.stderr)
@@ -61,8 +65,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("export", help="convert out/<dataset>.jsonl to Parquet"))
     sp.add_argument("--dataset", action="append", help="dataset name (repeatable); default: every dataset")
-    sp.add_argument("--format", choices=("parquet",), default="parquet")
-    sp.add_argument("--out", help="directory for <dataset>.parquet (default: output_dir)")
+    sp.add_argument("--format", choices=("parquet", "specforge"), default="parquet",
+                    help="specforge: <dataset>.specforge.jsonl, complete rows SpecForge accepts only")
+    sp.add_argument("--out", help="directory for <dataset>.parquet / .specforge.jsonl (default: output_dir)")
     sp.add_argument("--output-dir", help="where the results JSONL files are (overrides output_dir)")
     sp.set_defaults(func=cmd_export)
     sp = with_config(sub.add_parser("check", help="read every dataset, ask Redis and the servers, estimate the run; "

@@ -72,6 +72,7 @@ class Collector:
                 _cut_torn_tail(path)
                 self.seen[ds] |= ids_in(path)
         self.written = {ds: 0 for ds in datasets}
+        self.cut_kept = {ds: 0 for ds in datasets}   # rows written this run with finish_reason "length"
 
     def drain(self, count: int = 1000) -> int:
         """Write every waiting result; returns how many rows were written."""
@@ -96,10 +97,13 @@ class Collector:
         try:
             for _eid, fields in entries:
                 row = fields[b"row"].decode()
-                pid = json.loads(row)["id"]
+                obj = json.loads(row)
+                pid = obj["id"]
                 if pid in self.seen[ds]:
                     continue
                 kind = fields.get(b"kind", b"row").decode()
+                if kind == "row" and obj.get("finish_reason") == "length":
+                    self.cut_kept[ds] += 1   # keep=all: a cut answer in the training rows (summary says so)
                 fh = handles.get(kind)
                 if fh is None:
                     fh = handles[kind] = open(paths.get(kind, paths["row"]), "a", encoding="utf-8")

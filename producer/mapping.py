@@ -1,7 +1,8 @@
 """Turn one raw row into the chat messages to send: a prompt field, a messages list or ShareGPT.
 
 A conversation that already holds assistant turns is regenerated from its last user turn:
-trailing assistant turns are dropped, earlier turns stay as context. A ``system_prompt`` from
+trailing assistant turns are dropped, earlier turns stay as context; irregular shapes are
+normalised or rejected by producer/conversations.py. A ``system_prompt`` from
 the config is prepended unless the conversation already starts with a system turn.
 Errors are ValueErrors whose message names the field, the turn index and the value.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from producer.conversations import normalise
 from producer.sources import kind
 from shared.config import DatasetConfig
 from shared.schema import Message
@@ -67,23 +69,7 @@ def _turns(row: dict[str, Any], field: str, sharegpt: bool) -> list[Message]:
         if not isinstance(text, str):
             raise ValueError(f"{where}.{text_key} is {kind(text)}, not a string")
         msgs.append(Message(role=roles[role.lower()], content=text))
-    return _for_regeneration(msgs, field)
-
-
-def _for_regeneration(msgs: list[Message], field: str) -> list[Message]:
-    """Drop trailing assistant turns so the server answers the last user turn again."""
-    end = len(msgs)
-    while end and msgs[end - 1].role == "assistant":
-        end -= 1
-    kept = msgs[:end]
-    if not any(m.role == "user" for m in kept):
-        raise ValueError(f"field {field!r} has no user turn")
-    if kept[-1].role != "user":
-        raise ValueError(f"field {field!r}: turn {end - 1} is {kept[-1].role!r}; the turn before the reply "
-                         "to generate must be a user turn")
-    if not kept[-1].content.strip():
-        raise ValueError(f"field {field!r}: the last user turn ({field}[{end - 1}]) is empty")
-    return kept
+    return normalise(msgs, field)  # one rule set for irregular conversations
 
 
 def row_to_messages(ds: DatasetConfig, row: dict[str, Any]) -> list[Message]:

@@ -49,6 +49,7 @@ def current(cfg: Config, ds: DatasetConfig) -> dict[str, Any]:
         "keep": ds.keep,
         "mode": ds.mode,
         "system_prompt": ds.system_prompt,
+        "regenerate": ds.regenerate,
         "source": {"path": ds.path, "format": ds.format, "split": ds.split, "subset": ds.subset,
                    "fields": {"prompt_field": ds.prompt_field, "messages_field": ds.messages_field,
                               "conversations_field": ds.conversations_field, "id_field": ds.id_field}},

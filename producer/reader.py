@@ -20,6 +20,7 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 from producer.arrow_sources import plain
+from producer.conversations import with_template_system
 from producer.mapping import prompt_chars, row_to_messages
 from producer.seen import SeenIds
 from producer.sources import SourceError, SourceItem, detect_format, iter_rows
@@ -129,6 +130,8 @@ def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, whe
                               f"{ds.max_prompt_chars}")
     if encoder is None:
         return Prompt(line, pid, msgs)
+    # The template's own default system prompt, written in: renders the same, so any consumer sees it.
+    msgs = with_template_system(msgs, encoder.tokenizer, encoder.kwargs)
     try:
         ids = encoder.encode(msgs)
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles must alternate)

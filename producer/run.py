@@ -299,7 +299,17 @@ class Producer:
                 break
             if not wrote:
                 time.sleep(poll)
+        self._warn_cut_rows()
         return self.summary()
+
+    def _warn_cut_rows(self) -> None:
+        """keep=all kept answers cut by max_tokens: a drafter trained on them (SpecForge appends
+        an end-of-turn) learns stops the model never made. Say so loudly, once per dataset."""
+        for f in self.feeds:
+            if (n := self.collector.cut_kept.get(f.ds.name, 0)) and f.ds.keep == "all":
+                log.warning("dataset %s: %d row(s) written this run were cut by max_tokens (finish_reason "
+                            "length) and kept (keep: all); for drafter training use keep: complete, or "
+                            "`budgetq export --format specforge`, which leaves them out", f.ds.name, n)
 
     def summary(self) -> list[dict]:
         rows = []

@@ -91,6 +91,10 @@ class DatasetConfig(_Strict):
     messages_field: str | None = None        # list of {role, content}
     conversations_field: str | None = None   # ShareGPT: list of {from, value} or {role, content}
     system_prompt: str | None = None
+    # Multi-turn rows: `last` answers the last user turn again, earlier turns (the dataset's own
+    # old answers included) stay as context, so train SpecForge with train_only_last_turn: true.
+    # (`all`, every assistant turn regenerated in order, is not implemented yet.)
+    regenerate: Literal["last"] = "last"
     id_field: str | None = None
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
     shuffle: bool = False

@@ -62,13 +62,21 @@ class JobPayload(BaseModel):
 
 
 class ResultRow(BaseModel):
-    """One line of out/<dataset>.jsonl (SpecForge-compatible ``conversations``)."""
+    """One line of out/<dataset>.jsonl, in SpecForge's regenerated-data layout.
+
+    The layout of SpecForge's scripts/regenerate_train_data.py, checked by its
+    scripts/validate_regenerated_data.py (``validate_row``): ``conversations`` ends with the
+    generated assistant message, which carries the server's reasoning as its own
+    ``reasoning_content`` (thinking: separate; where SpecForge's ThinkingParser and chat
+    templates read it), and ``status`` is "success". No top-level reasoning copy: one place only.
+    """
 
     id: str
     dataset: str
     conversations: list[Message]
-    # The server's reasoning parser output (thinking), kept apart from the answer.
-    reasoning_content: str | None = None
+    # SpecForge's validator accepts only "success"; a row budgetq writes is always one
+    # (failures never reach the results file).
+    status: Literal["success"] = "success"
     prompt_tokens: int
     completion_tokens: int
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | str
@@ -76,3 +84,7 @@ class ResultRow(BaseModel):
     endpoint: str
     latency_s: float
 
+    @property
+    def reasoning(self) -> str | None:
+        """The generated answer's reasoning (None when there is none or it was dropped/inlined)."""
+        return getattr(self.conversations[-1], "reasoning_content", None) if self.conversations else None

@@ -241,7 +241,8 @@ def test_messages_and_sharegpt_map_to_chat_messages_in_both_key_styles(tmp_path)
     aliases = [{"from": a, "value": "x"} for a in ("chatgpt", "bing", "bard", "assistant")]
     rows = [{"c": [{"from": "user", "value": "q"}, *aliases, {"from": "human", "value": "q2"}]}]
     msgs = prompts(read(ds_cfg(write("jsonl", tmp_path / "aliases", rows), conversations_field="c")))[0].messages
-    assert [m.role for m in msgs] == ["user", "assistant", "assistant", "assistant", "assistant", "user"]
+    # consecutive assistant turns are merged into one (producer/conversations.py, rule 5)
+    assert [(m.role, m.content) for m in msgs] == [("user", "q"), ("assistant", "x\n\nx\n\nx\n\nx"), ("user", "q2")]
 
 
 def test_conversations_are_regenerated_from_the_last_user_turn(tmp_path):
@@ -266,7 +267,7 @@ def test_conversations_are_regenerated_from_the_last_user_turn(tmp_path):
         5: "c[1]: unknown role 'narrator' in 'from' (known: system, human, user, gpt, assistant, chatgpt, bing, bard)",
         6: "c[1] has no 'from' or 'role'",
         7: "c[1] has no 'value' or 'content'",
-        8: "field 'c': the last user turn (c[0]) is empty",
+        8: "c[0]: empty user turn",
         9: "field 'c' is a string, not a list",
     }
 
@@ -539,5 +540,7 @@ def test_every_input_format_end_to_end_in_chat_mode(tmp_path, redis_url, conn, s
     # and the results export to Parquet in SpecForge's layout
     assert main(["export", "-c", str(cfg_path), "--dataset", "P"]) == 0
     table = pq.read_table(out / "P.parquet")
-    assert table.num_rows == 6 and table.column("conversations").to_pylist() == [r["conversations"]
-                                                                                  for r in all_rows["P"]]
+    # (Parquet structs have every key: reasoning_content is null on turns without one)
+    got = [[{k: v for k, v in t.items() if v is not None} for t in c]
+           for c in table.column("conversations").to_pylist()]
+    assert table.num_rows == 6 and got == [r["conversations"] for r in all_rows["P"]]

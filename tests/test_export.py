@@ -15,11 +15,19 @@ from shared.schema import ResultRow
 
 
 def result(i: int, reasoning: str | None = None) -> dict:
-    return ResultRow(id=f"p{i}", dataset="B2", reasoning_content=reasoning, prompt_tokens=10 + i,
+    reply = {"role": "assistant", "content": f"answer {i} ✓"}
+    if reasoning is not None:
+        reply["reasoning_content"] = reasoning
+    return ResultRow(id=f"p{i}", dataset="B2", prompt_tokens=10 + i,
                      completion_tokens=100 + i, finish_reason="stop" if i % 2 else "length", model="qwen",
                      endpoint="http://gpu1:30000", latency_s=1.5 + i,
                      conversations=[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
-                                    {"role": "assistant", "content": f"answer {i} ✓"}]).model_dump(mode="json")
+                                    reply]).model_dump(mode="json")
+
+
+def as_parquet(row: dict) -> dict:
+    """``row`` as Parquet gives it back: every turn has reasoning_content (null where absent)."""
+    return {**row, "conversations": [{"reasoning_content": None, **t} for t in row["conversations"]]}
 
 
 def write_results(path: Path, rows: list[dict], bad: dict[int, str] | None = None) -> None:
@@ -32,7 +40,8 @@ def write_results(path: Path, rows: list[dict], bad: dict[int, str] | None = Non
 
 def test_schema_has_every_result_row_field():
     assert SCHEMA.names == list(ResultRow.model_fields)
-    assert SCHEMA.field("conversations").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    assert SCHEMA.field("conversations").type == pa.list_(pa.struct([
+        ("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]))
 
 
 def test_parquet_round_trip_keeps_rows_order_and_conversations_layout(tmp_path):
@@ -46,10 +55,10 @@ def test_parquet_round_trip_keeps_rows_order_and_conversations_layout(tmp_path):
     pf = pq.ParquetFile(res.target)
     assert pf.metadata.num_row_groups == 3  # written in batches, not as one table
     table = pf.read()
-    assert table.to_pylist() == rows
+    assert table.to_pylist() == [as_parquet(r) for r in rows]
     assert json.loads(table.schema.metadata[b"budgetq.meta"])["sampling"]["temperature"] == 0.7
     first = table.slice(0, 1).to_pylist()[0]
-    assert first["conversations"][-1] == {"role": "assistant", "content": "answer 0 ✓"}
+    assert first["conversations"][-1] == {"role": "assistant", "content": "answer 0 ✓", "reasoning_content": None}
     assert not (tmp_path / "x" / "B2.parquet.tmp").exists()
 
 
@@ -78,8 +87,7 @@ def test_hugging_face_datasets_reads_the_export_as_chat_turns(tmp_path):
     res = export_parquet(src, tmp_path / "B2.parquet")
     ds = datasets.load_dataset("parquet", data_files=str(res.target), split="train", cache_dir=str(tmp_path / "c"))
     assert ds[1]["id"] == "p1"
-    assert ds[1]["conversations"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
-                                      {"role": "assistant", "content": "answer 1 ✓"}]
+    assert ds[1]["conversations"] == as_parquet(result(1))["conversations"]
 
 
 def test_cli_exports_each_dataset_and_reports_what_it_skipped(tmp_path, capsys):

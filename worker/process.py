@@ -27,14 +27,16 @@ def split_thinking(out: Completion) -> tuple[str, str | None]:
 
 
 def build_row(payload: JobPayload, out: Completion, model: str) -> ResultRow:
+    """The result row: the reasoning goes on the assistant message (SpecForge reads it there),
+    inline as <think> in its content, or nowhere, never in two places."""
     answer, thinking = split_thinking(out)
-    content = answer
-    if payload.thinking == "inline" and thinking:
-        content = f"<think>\n{thinking}\n</think>\n\n{answer}"
+    reply = Message(role="assistant", content=answer)
+    if thinking and payload.thinking == "inline":
+        reply.content = f"<think>\n{thinking}\n</think>\n\n{answer}"
+    elif thinking and payload.thinking == "separate":
+        reply = Message(role="assistant", content=answer, reasoning_content=thinking)
     return ResultRow(
-        id=payload.id, dataset=payload.dataset,
-        conversations=[*payload.messages, Message(role="assistant", content=content)],
-        reasoning_content=None if payload.thinking == "drop" else thinking,
+        id=payload.id, dataset=payload.dataset, conversations=[*payload.messages, reply],
         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
         finish_reason=out.finish_reason, model=model, endpoint=out.endpoint, latency_s=round(out.latency_s, 4),
     )
