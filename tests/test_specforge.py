@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 from budgetq.cli import main
 from producer.conversations import normalise, specforge_problem, template_default_system, with_template_system
 from producer.export import export_specforge
-from shared.schema import Message, safe_job_id
+from shared.identity import job_id
+from shared.schema import Message
 from tests.helpers import PY, ROOT, rows, sim_get, write_config
 from tests.specforge_helper import SpecForgeUnavailable, load_specforge, numpy_tensors, validate_row
 from tests.tiny_tokenizer import CHAT_TEMPLATE, make_tiny_tokenizer
@@ -127,7 +128,7 @@ def test_rows_pass_specforge_validator_and_preprocessing_with_the_answer_masked_
         assert reply["reasoning_content"].strip()
         # the template's own system prompt is written in, so SpecForge does not put its own there
         assert row["conversations"][0] == {"role": "system", "content": DEFAULT_SYSTEM}
-        sent = by_job[safe_job_id("D", row["id"])]
+        sent = by_job[job_id("D", row["id"])]
         # SpecForge's general parser ("qwen" template), the last turn only (regenerate: last)
         ids, masked = _masked(sf, tok, row["conversations"])
         assert masked == _ids(tok, reply["content"] + "<|im_end|>"), row["id"]
