@@ -61,7 +61,8 @@ class LocalRedis:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
-        for _ in range(500):
+        deadline = time.monotonic() + 60  # generous: a loaded machine can take seconds to start a process
+        while time.monotonic() < deadline:
             try:
                 client.ping()
                 return
