@@ -48,3 +48,100 @@ def test_bad_config_is_a_clear_error(tmp_path):
     cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": "x1"}]}))
     out = _cli("produce", "-c", str(cfg))
     assert out.returncode == 2 and "datasets.0.budget" in out.stderr and "x1" in out.stderr
+
+
+def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit status 2, one line on stderr naming what is wrong, no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def _config(tmp_path, **raw) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw) if raw else "")
+    return str(path)
+
+
+def test_malformed_redis_urls_are_one_line_errors(tmp_path):
+    for url, why in (("redis://127.0.0.1:abc/0", "Port could not be cast"), ("redis://[::1/0", "Invalid IPv6"),
+                     ("http://127.0.0.1:6379/0", "scheme must be"), ("redis://127.0.0.1:99999/0", "out of range"),
+                     ("redis://127.0.0.1:6379/x", "database number")):
+        _one_line_error(_cli("status", "--redis-url", url), "redis_url", why)
+        _one_line_error(_cli("budget", "set", "A", "1M", "--redis-url", url), "redis_url", why)
+    out = _cli("status", "--redis-url", "redis://:s3cret-pw@127.0.0.1:abc/0")
+    _one_line_error(out, "redis://:***@127.0.0.1:abc/0")
+    assert "s3cret-pw" not in out.stderr
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = _config(tmp_path, redis_url="http://127.0.0.1:6379/0", redis_wait_s=0,
+                  datasets=[{"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k"}])
+    _one_line_error(_cli("produce", "-c", cfg), "redis_url", "http://127.0.0.1:6379/0")
+    _one_line_error(_cli("worker", "-c", cfg), "redis_url", "http://127.0.0.1:6379/0")
+
+
+def test_database_out_of_range_is_a_one_line_error(tmp_path, redis_url):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    url = redis_url.rsplit("/", 1)[0] + "/99"
+    cfg = _config(tmp_path, redis_url=url, datasets=[{"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k"}])
+    _one_line_error(_cli("produce", "-c", cfg), "database 99 does not exist", "DB index is out of range")
+    _one_line_error(_cli("worker", "-c", cfg), "database 99 does not exist")
+
+
+def test_password_protected_redis_without_the_password_says_so(tmp_path):
+    from budgetq.localhost import LocalRedis
+
+    server = LocalRedis(password="pw-for-the-test")
+    try:
+        bare = f"redis://127.0.0.1:{server.port}/0"
+        _one_line_error(_cli("status", "--redis-url", bare), f"Redis at 127.0.0.1:{server.port}/0 requires a password")
+        _one_line_error(_cli("worker", "--redis-url", bare), "requires a password")
+        wrong = _cli("status", "--redis-url", f"redis://:wrong-password@127.0.0.1:{server.port}/0")
+        _one_line_error(wrong, "refused the user name or password")
+        assert "wrong-password" not in wrong.stderr
+        assert _cli("status", "--redis-url", server.url).returncode == 0
+    finally:
+        server.stop()
+
+
+def test_worker_concurrency_must_be_positive():
+    for value in ("-5", "0", "many"):
+        out = _cli("worker", "--concurrency", value)
+        _one_line_error(out, "--concurrency", repr(value))
+    _one_line_error(_cli("worker", "--grace-s", "-1"), "--grace-s", "'-1'")
+
+
+def test_budgets_are_exact_and_bounded_by_what_redis_holds(redis_url, conn):
+    register_dataset(conn, DatasetConfig(name="A", path="x", budget="1M"))
+    big = "9223372036854775807"  # int64 max: INCRBY's limit
+    assert _cli("budget", "set", "A", big, "--redis-url", redis_url).returncode == 0
+    assert conn.hget(keys.conf_key("A"), "limit").decode() == big
+    assert _cli("budget", "set", "A", "12345678901234567", "--redis-url", redis_url).returncode == 0
+    assert conn.hget(keys.conf_key("A"), "limit").decode() == "12345678901234567"  # not rounded via a float
+    out = _cli("budget", "set", "A", "99999999999999999999999", "--redis-url", redis_url)
+    _one_line_error(out, "budget for A", "too large", "99999999999999999999999")
+    assert conn.hget(keys.conf_key("A"), "limit").decode() == "12345678901234567"
+
+
+def test_produce_without_datasets_is_an_error(tmp_path):
+    empty = _config(tmp_path)
+    _one_line_error(_cli("produce", "-c", empty), f"no datasets in {empty}")
+    (tmp_path / "c.yaml").write_text("datasets: []\n")
+    _one_line_error(_cli("produce", "-c", empty), f"no datasets in {empty}")
+
+
+def test_empty_dataset_file_is_warned_about_by_name(tmp_path, redis_url):
+    (tmp_path / "empty.jsonl").write_text("")
+    cfg = _config(tmp_path, redis_url=redis_url, output_dir=str(tmp_path / "out"),
+                  producer={"progress": "off"},
+                  datasets=[{"name": "E", "path": str(tmp_path / "empty.jsonl"), "budget": "1k"}])
+    out = _cli("produce", "-c", cfg)  # nothing to send: the run ends at once
+    assert out.returncode == 0, out.stderr
+    assert f"dataset E: {tmp_path / 'empty.jsonl'} is empty" in out.stderr
+
+
+def test_history_s_out_of_range_is_short():
+    out = _cli("status", "--history-s", "99999")
+    _one_line_error(out, "--history-s", "between 0 and 3600", "99999")
+    assert len(out.stderr) < 300
