@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from shared import budget, keys
@@ -65,12 +66,31 @@ def _config(tmp_path, **raw) -> str:
     return str(path)
 
 
-def test_malformed_redis_urls_are_one_line_errors(tmp_path):
-    for url, why in (("redis://127.0.0.1:abc/0", "Port could not be cast"), ("redis://[::1/0", "Invalid IPv6"),
-                     ("http://127.0.0.1:6379/0", "scheme must be"), ("redis://127.0.0.1:99999/0", "out of range"),
-                     ("redis://127.0.0.1:6379/x", "database number")):
-        _one_line_error(_cli("status", "--redis-url", url), "redis_url", why)
-        _one_line_error(_cli("budget", "set", "A", "1M", "--redis-url", url), "redis_url", why)
+BAD_URLS = (("redis://127.0.0.1:abc/0", "Port could not be cast"), ("redis://[::1/0", "Invalid IPv6"),
+            ("http://127.0.0.1:6379/0", "scheme must be"), ("redis://127.0.0.1:99999/0", "out of range"),
+            ("redis://127.0.0.1:6379/x", "database number"), ("redis://", "no host"))
+
+
+def test_malformed_redis_urls_are_refused_before_any_connection():
+    from shared.errors import ConfigError
+    from shared.redis_conn import aconnect, check_url, connect
+
+    for url, why in BAD_URLS:
+        for make in (check_url, connect, aconnect):
+            with pytest.raises(ConfigError, match="redis_url") as err:
+                make(url)
+            assert why in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_url("redis://:s3cret-pw@127.0.0.1:abc/0")
+    assert "redis://:***@127.0.0.1:abc/0" in str(err.value) and "s3cret-pw" not in str(err.value)
+    check_url("redis://user:pw@127.0.0.1:6379/3?socket_timeout=30")
+    check_url("rediss://127.0.0.1:6380")
+    check_url("unix:///run/redis.sock")
+
+
+def test_malformed_redis_urls_are_one_line_errors_in_every_command(tmp_path):
+    _one_line_error(_cli("status", "--redis-url", BAD_URLS[0][0]), "redis_url", BAD_URLS[0][1])
+    _one_line_error(_cli("budget", "set", "A", "1M", "--redis-url", BAD_URLS[1][0]), "redis_url", BAD_URLS[1][1])
     out = _cli("status", "--redis-url", "redis://:s3cret-pw@127.0.0.1:abc/0")
     _one_line_error(out, "redis://:***@127.0.0.1:abc/0")
     assert "s3cret-pw" not in out.stderr
@@ -79,6 +99,20 @@ def test_malformed_redis_urls_are_one_line_errors(tmp_path):
                   datasets=[{"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k"}])
     _one_line_error(_cli("produce", "-c", cfg), "redis_url", "http://127.0.0.1:6379/0")
     _one_line_error(_cli("worker", "-c", cfg), "redis_url", "http://127.0.0.1:6379/0")
+
+
+def test_token_counts_are_parsed_exactly():
+    from shared.tokens import MAX_TOKENS, parse_tokens
+
+    assert parse_tokens("12345678901234567") == 12345678901234567
+    assert parse_tokens("2.5k") == 2500 and parse_tokens("10_000_000") == 10_000_000
+    assert parse_tokens("9.3G") == 9_300_000_000
+    assert parse_tokens(str(MAX_TOKENS)) == MAX_TOKENS == 2**63 - 1
+    for bad in ("9223372036854775808", "99999999999999999999999", 10**30, 1e30):
+        with pytest.raises(ValueError, match="too large"):
+            parse_tokens(bad)
+    with pytest.raises(ValueError, match="whole"):
+        parse_tokens("1.0000001k")
 
 
 def test_database_out_of_range_is_a_one_line_error(tmp_path, redis_url):
