@@ -11,14 +11,24 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
+from pathlib import Path
+
+import redis
 
 from budgetq import cli_data, cli_ops, cli_sim
-from budgetq.cli_common import load, with_config
+from budgetq.cli_common import load, open_redis, positive_int, seconds, with_config
+from shared.config import Config
 from shared.errors import BudgetqError
 from shared.logs import setup_logging
 from shared.retry import REDIS_DOWN
 from shared.tokens import format_tokens, parse_tokens
+
+log = logging.getLogger("budgetq.producer")
+# After a first SIGTERM/SIGINT the producer finishes its tick and writes what it collected;
+# if that cannot happen (Redis hung or down), it stops at once after this long, as on a second signal.
+PRODUCER_STOP_S = 15.0
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -27,14 +37,38 @@ def print_summary(rows: list[dict]) -> None:
 
     table = Table(title="budgetq summary")
     for col in ("dataset", "budget", "used", "used/budget", "rows", "skipped", "aborted", "failed", "invalid",
-                "filtered", "wasted", "stop"):
+                "duplicate", "filtered", "wasted", "stop"):
         table.add_column(col)
     for r in rows:
         ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
         table.add_row(r["dataset"], format_tokens(r["budget"]), str(r["used"]), ratio, str(r["rows"]),
-                      str(r["skipped"]), str(r["aborted"]), str(r["failed"]), str(r["invalid"]), str(r["filtered"]),
+                      str(r["skipped"]), str(r["aborted"]), str(r["failed"]), str(r["invalid"]),
+                      str(r.get("duplicate", 0)), str(r["filtered"]),
                       str(r["wasted_tokens"]), r["stop"])
     Console(width=max(120, Console().width)).print(table)
+
+
+def _empty_files(cfg: Config) -> set[str]:
+    """Datasets whose local file holds nothing but whitespace: warned about by name before the run."""
+    empty = set()
+    for ds in cfg.datasets:
+        path = Path(ds.path)
+        if "://" in ds.path or not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size == 0 or (size < 1 << 20 and not path.read_bytes().strip()):
+            log.warning("dataset %s: %s is empty: no prompts to send", ds.name, path)
+            empty.add(ds.name)
+    return empty
+
+
+def _warn_no_rows(cfg: Config, rows: list[dict], warned: set[str]) -> None:
+    for r in rows:
+        if r["dataset"] in warned or r["stop"] != "rows exhausted":
+            continue
+        if not (r["enqueued"] or r["rows"] or r["invalid"] or r["filtered"] or r["already_done"] or r["skipped"]
+                or r["failed"]):
+            log.warning("dataset %s: %s gave no rows", r["dataset"], cfg.dataset(r["dataset"]).path)
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
@@ -44,25 +78,44 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from producer.run import Producer
 
     cfg = load(args)
-    producer = Producer(cfg)
+    if not cfg.datasets:
+        raise BudgetqError(f"no datasets in {args.config}" if args.config else
+                           "no datasets: pass a config with a datasets: list (-c CONFIG)")
+    state: dict = {"stop": False, "producer": None}
+
+    def hard_stop(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def stop(signum: int, _frame: object) -> None:
+        # Everything lives in Redis and the output files: stopping loses nothing, a new
+        # `budgetq produce` continues. Finish writing what has been collected first; a
+        # second signal (or PRODUCER_STOP_S without an orderly end) stops at once.
+        if state["stop"]:
+            raise KeyboardInterrupt
+        state["stop"] = True
+        if state["producer"] is not None:
+            state["producer"].stop_requested = True
+        signal.signal(signal.SIGALRM, hard_stop)
+        signal.setitimer(signal.ITIMER_REAL, PRODUCER_STOP_S)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    warned = _empty_files(cfg)
+    if open_redis(cfg, "producer", cfg.redis_wait_s, stop=lambda: state["stop"]) is None:
+        log.warning("stopped before the run started")
+        return 0
+    producer = _start_producer(cfg, Producer, lambda: state["stop"])
+    if producer is None:
+        return 0
+    state["producer"] = producer
+    producer.stop_requested = state["stop"]
     monitor = None
     if args.monitor:
         from producer.monitor import MonitorThread
 
         monitor = MonitorThread(cfg)
         port = monitor.start()
-        logging.getLogger("budgetq.producer").info("monitor on http://%s:%d", cfg.monitor.host, port)
-
-    def stop(signum: int, _frame: object) -> None:
-        # Everything lives in Redis and the output files: stopping loses nothing, a new
-        # `budgetq produce` continues. Finish writing what has been collected first; a
-        # second signal stops at once.
-        if producer.stop_requested:
-            raise KeyboardInterrupt
-        producer.stop_requested = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+        log.info("monitor on http://%s:%d", cfg.monitor.host, port)
     progress = ProgressReporter(cfg, producer.conn)
     try:
         rows = producer.run(on_tick=lambda _p: progress.update())
@@ -70,8 +123,32 @@ def cmd_produce(args: argparse.Namespace) -> int:
         progress.close()
         if monitor is not None:
             monitor.stop()
+    signal.setitimer(signal.ITIMER_REAL, 0)
     print_summary(rows)
+    _warn_no_rows(cfg, rows, warned)
     return 0
+
+
+def _start_producer(cfg: Config, factory, stopped):
+    """The producer's start (registering datasets, adopting rows on disk) retried through a Redis blip."""
+    import time
+
+    from shared.redis_conn import explain
+    from shared.retry import backoff_s
+
+    started, attempt = time.monotonic(), 0
+    while not stopped():
+        try:
+            return factory(cfg)
+        except REDIS_DOWN as exc:
+            attempt += 1
+            if time.monotonic() - started > cfg.redis_wait_s:
+                raise BudgetqError(explain(exc, cfg.redis_url)) from None
+            if attempt == 1:
+                log.warning("producer: Redis failed while starting (%s); retrying", explain(exc, cfg.redis_url))
+            time.sleep(backoff_s(min(attempt, 6), 0.2, 5.0))
+    log.warning("stopped before the run started")
+    return None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -79,15 +156,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     cfg = load(args)
     grace = args.grace_s if args.grace_s is not None else cfg.worker.grace_s
-    w = ConcurrentWorker(cfg, args.concurrency or cfg.worker.concurrency, burst=args.burst, grace_s=grace)
-    return asyncio.run(w.run())
+    concurrency = args.concurrency if args.concurrency is not None else cfg.worker.concurrency
+    w = ConcurrentWorker(cfg, concurrency, burst=args.burst, grace_s=grace)
+    rc = asyncio.run(w.run())
+    if w.abandoned:
+        # Threads still blocked on a Redis that does not answer would hold the exit until their
+        # socket timeout; the jobs they held come back through their leases (docs/resilience.md).
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(rc)
+    return rc
 
 
 def _conn(args: argparse.Namespace):
-    from shared.redis_conn import connect
-
     cfg = load(args)
-    return cfg, connect(cfg.redis_url)
+    return cfg, open_redis(cfg, args.cmd)
 
 
 def cmd_budget_set(args: argparse.Namespace) -> int:
@@ -160,9 +243,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
     sp.set_defaults(func=cmd_produce)
     sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))
-    sp.add_argument("--concurrency", type=int)
+    sp.add_argument("--concurrency", type=positive_int, help="requests in flight (overrides worker.concurrency)")
     sp.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    sp.add_argument("--grace-s", type=float, help="overrides worker.grace_s")
+    sp.add_argument("--grace-s", type=seconds(0), help="overrides worker.grace_s")
     sp.set_defaults(func=cmd_worker)
     bp = sub.add_parser("budget", help="change a budget live").add_subparsers(dest="bcmd", required=True)
     sp = with_config(bp.add_parser("set", help="set a dataset's budget (effective on the next admission)"))
@@ -190,13 +273,20 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=cmd_reconcile)
     sp = sub.add_parser("demo", help="the whole pipeline on one machine with bundled data")
     sp.add_argument("--redis-url")
-    sp.add_argument("--workers", type=int, default=2)
-    sp.add_argument("--concurrency", type=int, default=64)
+    sp.add_argument("--workers", type=positive_int, default=2)
+    sp.add_argument("--concurrency", type=positive_int, default=64)
     sp.set_defaults(func=cmd_demo)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one line naming the flag and the value (not the usage text), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="budgetq", description="Token-budgeted generation on Redis + RQ + SGLang")
+    p = _Parser(prog="budgetq", description="Token-budgeted generation on Redis + RQ + SGLang")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -214,17 +304,25 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (BudgetqError, FileNotFoundError) as exc:
         return _fail(args, str(exc))
-    except REDIS_DOWN as exc:
-        return _fail(args, f"cannot reach Redis: {exc}")
+    except redis.RedisError as exc:
+        from shared.redis_conn import explain
+
+        url = getattr(args, "loaded_redis_url", None)
+        return _fail(args, explain(exc, url) if url else f"redis: {exc}")
+    except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stopped at once, nothing written is lost
+        return _fail(args, f"{args.cmd}: interrupted", status=130)
 
 
-def _fail(args: argparse.Namespace, message: str) -> int:
+def _fail(args: argparse.Namespace, message: str, status: int = 2) -> int:
     """A clear one-line error (a JSON log line with --log-format json), exit status 2."""
+    from shared.logs import redact
+
+    message = redact(message)  # a password inside a URL of the message never reaches the terminal
     if args.log_format == "json":
         logging.getLogger("budgetq").error(message)
     else:
         print(f"budgetq: error: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from budgetq.cli_common import load, with_config
+from budgetq.cli_common import int_range, load, open_redis, seconds, with_config
 from shared.config import Config
 from shared.errors import BudgetqError
 
@@ -25,40 +25,56 @@ def _server_urls(cfg: Config) -> list[str]:
 def _snapshot(cfg: Config, conn, history_s: int = 60) -> dict:
     import redis
 
-    from shared.logs import redact_url
+    from shared.redis_conn import explain
     from shared.status import snapshot
 
     try:
         return snapshot(conn, cfg.redis_url, _server_urls(cfg), history_s=history_s)
     except redis.RedisError as exc:
-        raise BudgetqError(f"cannot read status from {redact_url(cfg.redis_url)}: {exc}") from None
+        raise BudgetqError(f"cannot read status: {explain(exc, cfg.redis_url)}") from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import redis
     from rich.console import Console
 
     from budgetq.status_view import render
-    from shared.logs import register_config_secrets
+    from shared.redis_conn import connect
 
     cfg = load(args)
-    register_config_secrets(cfg)
-    conn = redis.Redis.from_url(cfg.redis_url)
     if not args.watch:
+        conn = open_redis(cfg, "status")
         snap = _snapshot(cfg, conn, args.history_s)
         if args.json:
             print(json.dumps(snap, indent=2))
         else:
             Console(width=None if sys.stdout.isatty() else 160).print(render(snap))
         return 0
-    if args.json:  # one compact JSON object per line, for piping into jq or a log shipper
-        try:
-            while True:
-                print(json.dumps(_snapshot(cfg, conn, args.history_s), separators=(",", ":")), flush=True)
-                time.sleep(args.interval)
-        except (KeyboardInterrupt, BrokenPipeError):
-            return 0
+    conn = connect(cfg.redis_url)  # --watch keeps retrying, from the first frame on
+    if args.json:
+        return _watch_json(cfg, conn, args.interval, args.history_s)
     return _watch(cfg, conn, args.interval, render, Console())
+
+
+def _watch_json(cfg: Config, conn, interval: float, history_s: int) -> int:
+    """One compact JSON object per line on stdout (for jq or a log shipper); a Redis error is one
+    line on stderr and the next try follows, as in the table view."""
+    failing = False
+    try:
+        while True:
+            try:
+                snap = _snapshot(cfg, conn, history_s)
+            except BudgetqError as exc:
+                print(f"budgetq: status: {time.strftime('%H:%M:%S')} {exc} (retrying)", file=sys.stderr, flush=True)
+                failing = True
+            else:
+                if failing:
+                    print(f"budgetq: status: {time.strftime('%H:%M:%S')} Redis answers again", file=sys.stderr,
+                          flush=True)
+                    failing = False
+                print(json.dumps(snap, separators=(",", ":")), flush=True)
+            time.sleep(interval)
+    except (KeyboardInterrupt, BrokenPipeError):
+        return 0
 
 
 def _watch(cfg: Config, conn, interval: float, render, console) -> int:
@@ -87,6 +103,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
     cfg = load(args)
     check_bind(cfg.monitor, args.host or cfg.monitor.host, args.allow_unauthenticated)
+    open_redis(cfg, "monitor", cfg.redis_wait_s)  # then it serves, answering 503 while Redis is away
     try:
         asyncio.run(serve_forever(cfg, args.host, args.port, args.allow_unauthenticated))
     except KeyboardInterrupt:
@@ -94,27 +111,18 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("status", help="per-dataset budget, progress, workers and endpoints"))
     sp.add_argument("--json", action="store_true", help="the stable JSON snapshot (docs/operations.md)")
     sp.add_argument("--watch", action="store_true", help="redraw live (with --json: one JSON object per line)")
-    sp.add_argument("--interval", type=_positive, default=1.0, help="seconds between --watch refreshes")
-    sp.add_argument("--history-s", type=int, default=60, choices=range(0, 3601), metavar="0..3600",
+    sp.add_argument("--interval", type=seconds(0, strict=True, maximum=86400), default=1.0,
+                    help="seconds between --watch refreshes")
+    sp.add_argument("--history-s", type=int_range(0, 3600), default=60, metavar="0..3600",
                     help="seconds of 5 s token buckets in each dataset's history (--json)")
     sp.set_defaults(func=cmd_status)
     sp = with_config(sub.add_parser("monitor", help="web monitor: live page, /api/status, /metrics"))
     sp.add_argument("--host", help="overrides monitor.host (default 127.0.0.1)")
-    sp.add_argument("--port", type=int, help="overrides monitor.port (default 9200)")
+    sp.add_argument("--port", type=int_range(0, 65535), help="overrides monitor.port (default 9200)")
     sp.add_argument("--allow-unauthenticated", action="store_true",
                     help="serve on a non-loopback host without basic auth (only behind another access control, "
                          "e.g. a port published on 127.0.0.1)")

@@ -14,6 +14,7 @@ import urllib.request
 import redis
 
 from shared.errors import BudgetqError
+from shared.redis_conn import connect
 
 
 def free_port() -> int:
@@ -70,8 +71,9 @@ class LocalRedis:
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        for _ in range(500):
+        client = connect(self.url)
+        deadline = time.monotonic() + 60  # generous: a loaded machine can take seconds to start a process
+        while time.monotonic() < deadline:
             try:
                 client.ping()
                 return

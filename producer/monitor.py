@@ -29,6 +29,7 @@ from producer import metrics
 from shared.config import Config, MonitorConfig
 from shared.errors import ConfigError
 from shared.logs import register_config_secrets
+from shared.redis_conn import connect, explain
 from shared.status import snapshot
 
 log = logging.getLogger("budgetq.monitor")
@@ -69,7 +70,9 @@ class Monitor:
 
     def __init__(self, cfg: Config, conn: redis.Redis | None = None) -> None:
         self.cfg = cfg
-        self.conn = conn if conn is not None else redis.Redis.from_url(cfg.redis_url)
+        # connect(): socket timeouts, so a Redis that never answers costs each request 10 s, not forever
+        self.conn = conn if conn is not None else connect(cfg.redis_url)
+        self._failing = False
         self._servers = cfg.server.urls if "server" in cfg.model_fields_set else []
         self._cached: tuple[float, dict[str, Any]] | None = None
         self._lock = asyncio.Lock()
@@ -80,6 +83,9 @@ class Monitor:
             if self._cached is None or time.monotonic() - self._cached[0] > CACHE_S:
                 snap = await asyncio.to_thread(snapshot, self.conn, self.cfg.redis_url, self._servers)
                 self._cached = (time.monotonic(), snap)
+                if self._failing:
+                    log.warning("monitor: Redis answers again")
+                    self._failing = False
             return self._cached[1]
 
     @web.middleware
@@ -96,8 +102,11 @@ class Monitor:
         try:
             return await handler(request)
         except redis.RedisError as exc:
-            log.warning("monitor: redis error: %s", exc)
-            return web.json_response({"error": f"redis: {type(exc).__name__}: {exc}"}, status=503)
+            message = explain(exc, self.cfg.redis_url)
+            if not self._failing:  # once per outage, not once per request; every request retries
+                log.warning("monitor: %s; answering 503 until it is back", message)
+                self._failing = True
+            return web.json_response({"error": f"redis: {message}"}, status=503)
 
     async def index(self, _request: web.Request) -> web.Response:
         return web.Response(body=self._page, content_type="text/html", charset="utf-8",

@@ -34,6 +34,7 @@ from producer.reconcile import adopt_missing, rows_on_disk
 from shared import keys
 from shared.budget import dataset_state, register_dataset
 from shared.config import Config, DatasetConfig
+from shared.errors import BudgetqError
 from shared.identity import SCHEME_MIGRATED, job_id, legacy_job_id
 from shared.logs import safe
 from shared.maintenance import Maintenance
@@ -281,6 +282,9 @@ class Producer:
                     log.warning("redis reachable again; continuing")
                     outage_logged = False
             except REDIS_DOWN as exc:
+                if self.stop_requested:  # a stop must not wait for Redis: the files hold what was collected
+                    raise BudgetqError(f"stopped on request while Redis was unreachable ({exc}); what was "
+                                       "collected is on disk and `budgetq produce` again continues") from None
                 if not outage_logged:
                     log.warning("redis unreachable (%s); the producer waits and retries", exc)
                     outage_logged = True

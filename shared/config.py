@@ -215,6 +215,9 @@ class MonitorConfig(_Strict):
 
 class Config(_Strict):
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)
+    # How long worker, producer and monitor wait for Redis at start (backoff, a log line);
+    # 0 = fail at once. Once running, they wait out outages of any length.
+    redis_wait_s: float = Field(default=300.0, ge=0)
     server: ServerConfig = Field(default_factory=ServerConfig)
     output_dir: Path = Path("out")
     datasets: list[DatasetConfig] = Field(default_factory=list)

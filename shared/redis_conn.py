@@ -1,27 +1,112 @@
-"""Redis connections with the project's settings, made in one place.
+"""Redis connections with the project's settings, made in one place; waiting for Redis; its errors in one line.
 
-redis-py retries a command on a dropped connection by itself (here up to ~6 s with jittered
-backoff); our scripts are idempotent, so such a retry never counts anything twice. Longer
-outages are handled by the callers' loops (shared.retry.retry_redis).
+Timeouts (any of them can be overridden in the URL, e.g. ``redis://host:6379/0?socket_timeout=30``):
+
+- ``socket_connect_timeout`` 5 s: a host that drops SYNs (firewall) fails in 5 s.
+- ``socket_timeout`` 10 s: a server that accepts but never answers (hung, SIGSTOPped,
+  ``rediss://`` against a plain port) fails each command in 10 s instead of blocking forever.
+  budgetq sends no blocking command (no BLPOP, no XREAD BLOCK: the collector reads with
+  XRANGE), and its Lua scripts touch at most a few hundred keys (milliseconds), so 10 s is
+  far above any legitimate reply time, even on a loaded machine.
+
+redis-py retries a command on a dropped connection by itself (up to ~6 s with jittered
+backoff; our scripts are idempotent, so such a retry never counts anything twice), but not
+on a timeout (a hung server would cost 9 x 10 s per command) nor on a refused password.
+Longer outages are handled by the callers' loops (shared.retry.retry_redis) and, at start,
+by ``wait_ready`` / ``await_ready`` (up to ``redis_wait_s``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
 import redis
 import redis.asyncio as aredis
+import redis.asyncio.retry as aretry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-_RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
+from shared.errors import BudgetqError, ConfigError
+from shared.retry import REDIS_DOWN, backoff_s
+
+log = logging.getLogger("budgetq.redis")
+CONNECT_TIMEOUT_S = 5.0
+SOCKET_TIMEOUT_S = 10.0
+_RETRY_ON = (redis.ConnectionError,)
+_SCHEMES = ("redis", "rediss", "unix")
 
 
-def _retry() -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=8)
+def _retryable(exc: Exception) -> bool:
+    # AuthenticationError is a ConnectionError in redis-py: retrying a wrong password only delays the error.
+    return not isinstance(exc, redis.AuthenticationError)
+
+
+class _SyncRetry(Retry):
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        return super().call_with_retry(do, fail, lambda e: _retryable(e) and (is_retryable is None or
+                                                                           is_retryable(e)), with_failure_count)
+
+
+class _AsyncRetry(aretry.Retry):
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        return await super().call_with_retry(do, fail, lambda e: _retryable(e) and (is_retryable is None or
+                                                                                 is_retryable(e)),
+                                             with_failure_count)
+
+
+def _backoff() -> ExponentialWithJitterBackoff:
+    return ExponentialWithJitterBackoff(base=0.05, cap=1.0)
+
+
+def check_url(url: str) -> None:
+    """Raise ConfigError naming the (redacted) URL and what is wrong with it, before redis-py sees it."""
+    from shared.logs import redact_url
+
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a non-numeric or out-of-range port
+    except ValueError as exc:
+        raise ConfigError(f"redis_url {shown!r}: {exc}") from None
+    if parts.scheme not in _SCHEMES:
+        raise ConfigError(f"redis_url {shown!r}: the scheme must be redis://, rediss:// (TLS) or unix://")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"redis_url {shown!r}: no socket path (unix:///path/to/redis.sock)")
+        return
+    if not parts.hostname:
+        raise ConfigError(f"redis_url {shown!r}: no host (redis://HOST:PORT/DB)")
+    if port == 0:
+        raise ConfigError(f"redis_url {shown!r}: port 0")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"redis_url {shown!r}: the path must be a database number, e.g. /0 (got /{db})")
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"redis_url {shown!r}: {exc}") from None
+
+
+def _timeouts(url: str) -> dict[str, Any]:
+    query = parse_qs(urlsplit(url).query)
+    kw: dict[str, Any] = {}
+    if "socket_connect_timeout" not in query:
+        kw["socket_connect_timeout"] = CONNECT_TIMEOUT_S
+    if "socket_timeout" not in query:
+        kw["socket_timeout"] = SOCKET_TIMEOUT_S
+    return kw
 
 
 def connect(url: str) -> redis.Redis:
     """A blocking client (producer, CLI, RQ bookkeeping). Works with redis://, rediss://, user:password@."""
-    return redis.Redis.from_url(url, retry=_retry(), retry_on_error=_RETRY_ON, health_check_interval=15)
+    check_url(url)
+    return redis.Redis.from_url(url, retry=_SyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON),
+                                health_check_interval=15, **_timeouts(url))
 
 
 def connect_once(url: str, timeout_s: float = 3.0) -> redis.Redis:
@@ -33,13 +118,141 @@ def connect_once(url: str, timeout_s: float = 3.0) -> redis.Redis:
 def aconnect(url: str, max_connections: int = 32) -> aredis.Redis:
     """An asyncio client on a *blocking* pool: with hundreds of tasks, a plain pool would
     raise MaxConnectionsError instead of waiting for a free connection."""
-    pool = aredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30,
-                                                  health_check_interval=15, retry=_retry(),
-                                                  retry_on_error=_RETRY_ON)
+    check_url(url)
+    pool = aredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=30, health_check_interval=15,
+        retry=_AsyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON), **_timeouts(url))
     return aredis.Redis(connection_pool=pool)
 
 
 def describe(url: str) -> str:
     """host:port/db of a Redis URL, without user or password (safe to log)."""
-    rest = url.split("://", 1)[-1].split("@")[-1]
-    return rest.split("?")[0]
+    try:
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            return parts.path
+        return f"{parts.hostname or 'localhost'}:{parts.port or 6379}/{parts.path.strip('/') or '0'}"
+    except ValueError:
+        rest = url.split("://", 1)[-1].split("@")[-1]
+        return rest.split("?")[0]
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """An error that waiting will not fix: a refused password, a database that does not exist."""
+    return isinstance(exc, redis.AuthenticationError) or (
+        isinstance(exc, redis.ResponseError) and ("DB index" in str(exc) or "NOAUTH" in str(exc)
+                                                  or "WRONGPASS" in str(exc)))
+
+
+def explain(exc: BaseException, url: str) -> str:
+    """One line for a Redis error: what went wrong, at which host (never the password), and what to do."""
+    from shared.logs import redact
+
+    where = describe(url)
+    text = redact(str(exc)) or type(exc).__name__
+    low = text.lower()
+    if "hello must be called" in low or "noauth" in low or "authentication required" in low:
+        return (f"Redis at {where} requires a password: put it in the URL (redis://:PASSWORD@host:port/db, "
+                f"or redis://USER:PASSWORD@... for an ACL user), best via BUDGETQ_REDIS_URL")
+    if isinstance(exc, redis.AuthenticationError) or "wrongpass" in low:
+        return f"Redis at {where} refused the user name or password ({text})"
+    if "db index is out of range" in low:
+        return f"redis_url: database {where.rsplit('/', 1)[-1]} does not exist on Redis at {where} ({text})"
+    if isinstance(exc, redis.TimeoutError):
+        return (f"Redis at {where} did not answer within the socket timeout ({text}): a hung server, a firewall, "
+                f"or rediss:// (TLS) against a plain port?")
+    if isinstance(exc, redis.BusyLoadingError):
+        return f"Redis at {where} is still loading its data ({text})"
+    if isinstance(exc, redis.ConnectionError | ConnectionError):
+        return f"cannot reach Redis at {where}: {text}"
+    return f"Redis at {where}: {type(exc).__name__}: {text}"
+
+
+def wait_ready(conn: redis.Redis, url: str, wait_s: float, what: str,
+               stop: Callable[[], bool] | None = None) -> bool:
+    """Ping until Redis answers, with backoff and a log line, for up to ``wait_s`` (0: one try).
+
+    Returns False if ``stop()`` became true first; raises BudgetqError (one line) when giving up
+    or at once on an error that waiting will not fix (password, database number).
+    """
+    started, attempt = time.monotonic(), 0
+    while True:
+        try:
+            conn.ping()
+            if attempt:
+                log.warning("%s: Redis at %s answers after %.1f s", what, describe(url), time.monotonic() - started)
+            return True
+        except redis.RedisError as exc:
+            if is_fatal(exc) or not isinstance(exc, REDIS_DOWN):
+                raise BudgetqError(explain(exc, url)) from None
+            attempt += 1
+            waited = time.monotonic() - started
+            if waited >= wait_s:
+                raise BudgetqError(_gave_up(exc, url, waited, wait_s)) from None
+            _log_waiting(what, url, exc, attempt, wait_s)
+            deadline = time.monotonic() + min(backoff_s(min(attempt, 6), 0.2, 5.0), wait_s - waited)
+            while time.monotonic() < deadline:
+                if stop is not None and stop():
+                    return False
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        if stop is not None and stop():
+            return False
+
+
+async def await_ready(ping: Callable[[], Awaitable[Any]], url: str, wait_s: float, what: str,
+                      stop: asyncio.Event | None = None) -> bool:
+    """``wait_ready`` for asyncio callers (``ping`` is e.g. ``aconn.ping``); returns False once ``stop`` is set."""
+    started, attempt = time.monotonic(), 0
+    while stop is None or not stop.is_set():
+        try:
+            if not await _unless_stopped(ping(), stop):
+                return False
+            if attempt:
+                log.warning("%s: Redis at %s answers after %.1f s", what, describe(url), time.monotonic() - started)
+            return True
+        except redis.RedisError as exc:
+            if is_fatal(exc) or not isinstance(exc, REDIS_DOWN):
+                raise BudgetqError(explain(exc, url)) from None
+            attempt += 1
+            waited = time.monotonic() - started
+            if waited >= wait_s:
+                raise BudgetqError(_gave_up(exc, url, waited, wait_s)) from None
+            _log_waiting(what, url, exc, attempt, wait_s)
+            pause = min(backoff_s(min(attempt, 6), 0.2, 5.0), wait_s - waited)
+            if stop is None:
+                await asyncio.sleep(pause)
+            else:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=pause)
+                except TimeoutError:
+                    pass
+    return False
+
+
+async def _unless_stopped(aw: Awaitable[Any], stop: asyncio.Event | None) -> bool:
+    """Await ``aw``; False (and ``aw`` cancelled) if ``stop`` is set first: a ping to a silent
+    server must not hold a stop request for a whole socket timeout."""
+    task = asyncio.ensure_future(aw)
+    if stop is None:
+        await task
+        return True
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if not task.done():
+        task.cancel()
+        return False
+    task.result()
+    return True
+
+
+def _gave_up(exc: BaseException, url: str, waited: float, wait_s: float) -> str:
+    return explain(exc, url) + (f" (gave up after {waited:.0f} s; redis_wait_s {wait_s:g})" if wait_s else "")
+
+
+def _log_waiting(what: str, url: str, exc: BaseException, attempt: int, wait_s: float) -> None:
+    # The first try, then every 8th (a few per minute at the capped backoff): enough to see it is alive.
+    if attempt == 1 or attempt % 8 == 0:
+        log.warning("%s: waiting for Redis (up to %g s in all): %s", what, wait_s, explain(exc, url))

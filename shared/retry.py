@@ -46,4 +46,11 @@ async def retry_redis(fn: Callable[[], Awaitable[T]], what: str, give_up_after_s
                 raise
             if attempt == 1:
                 log.warning("redis unreachable (%s): %s; retrying", what, exc)
-            await asyncio.sleep(backoff_s(min(attempt, 6), 0.1, 2.0))
+            pause = backoff_s(min(attempt, 6), 0.1, 2.0)
+            if stop is None:
+                await asyncio.sleep(pause)
+            else:  # a stop request ends the wait at once, not after the backoff
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=pause)
+                except TimeoutError:
+                    pass

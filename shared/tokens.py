@@ -1,8 +1,15 @@
-"""Parse token counts written by people: ``10M``, ``2.5k``, ``10_000_000``."""
+"""Parse token counts written by people: ``10M``, ``2.5k``, ``10_000_000``.
+
+Exact: the digits are read as a decimal, never through a float (``99999999999999999999``
+would round), and counts beyond what Redis' INCRBY can hold (a signed 64-bit integer) are
+refused rather than stored wrapped or rounded.
+"""
 
 import re
+from decimal import Decimal
 
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "b": 1_000_000_000}
+MAX_TOKENS = 2**63 - 1  # Redis integers (INCRBY, the budget counters) are signed 64-bit
 _PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([kmgb]?)\s*$", re.IGNORECASE)
 
 
@@ -20,12 +27,14 @@ def parse_tokens(value: int | float | str) -> int:
         match = _PATTERN.match(str(value))
         if not match:
             raise ValueError(f"not a token count: {value!r} (use e.g. 10M, 2.5k, 10_000_000)")
-        scaled = float(match.group(1).replace("_", "")) * _SUFFIX[match.group(2).lower()]
-        if not scaled.is_integer():
+        scaled = Decimal(match.group(1).replace("_", "")) * _SUFFIX[match.group(2).lower()]
+        if scaled != scaled.to_integral_value():
             raise ValueError(f"not a whole token count: {value!r}")
         number = int(scaled)
     if number < 0:
         raise ValueError(f"token count must be >= 0: {value!r}")
+    if number > MAX_TOKENS:
+        raise ValueError(f"token count too large: {value!r} (at most {MAX_TOKENS:,}, what a Redis integer holds)")
     return number
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from shared import budget, keys
@@ -48,3 +49,133 @@ def test_bad_config_is_a_clear_error(tmp_path):
     cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": "x1"}]}))
     out = _cli("produce", "-c", str(cfg))
     assert out.returncode == 2 and "datasets.0.budget" in out.stderr and "x1" in out.stderr
+
+
+def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit status 2, one line on stderr naming what is wrong, no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def _config(tmp_path, **raw) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw) if raw else "")
+    return str(path)
+
+
+BAD_URLS = (("redis://127.0.0.1:abc/0", "Port could not be cast"), ("redis://[::1/0", "Invalid IPv6"),
+            ("http://127.0.0.1:6379/0", "scheme must be"), ("redis://127.0.0.1:99999/0", "out of range"),
+            ("redis://127.0.0.1:6379/x", "database number"), ("redis://", "no host"))
+
+
+def test_malformed_redis_urls_are_refused_before_any_connection():
+    from shared.errors import ConfigError
+    from shared.redis_conn import aconnect, check_url, connect
+
+    for url, why in BAD_URLS:
+        for make in (check_url, connect, aconnect):
+            with pytest.raises(ConfigError, match="redis_url") as err:
+                make(url)
+            assert why in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_url("redis://:s3cret-pw@127.0.0.1:abc/0")
+    assert "redis://:***@127.0.0.1:abc/0" in str(err.value) and "s3cret-pw" not in str(err.value)
+    check_url("redis://user:pw@127.0.0.1:6379/3?socket_timeout=30")
+    check_url("rediss://127.0.0.1:6380")
+    check_url("unix:///run/redis.sock")
+
+
+def test_malformed_redis_urls_are_one_line_errors_in_every_command(tmp_path):
+    _one_line_error(_cli("status", "--redis-url", BAD_URLS[0][0]), "redis_url", BAD_URLS[0][1])
+    _one_line_error(_cli("budget", "set", "A", "1M", "--redis-url", BAD_URLS[1][0]), "redis_url", BAD_URLS[1][1])
+    out = _cli("status", "--redis-url", "redis://:s3cret-pw@127.0.0.1:abc/0")
+    _one_line_error(out, "redis://:***@127.0.0.1:abc/0")
+    assert "s3cret-pw" not in out.stderr
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = _config(tmp_path, redis_url="http://127.0.0.1:6379/0", redis_wait_s=0,
+                  datasets=[{"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k"}])
+    _one_line_error(_cli("produce", "-c", cfg), "redis_url", "http://127.0.0.1:6379/0")
+    _one_line_error(_cli("worker", "-c", cfg), "redis_url", "http://127.0.0.1:6379/0")
+
+
+def test_token_counts_are_parsed_exactly():
+    from shared.tokens import MAX_TOKENS, parse_tokens
+
+    assert parse_tokens("12345678901234567") == 12345678901234567
+    assert parse_tokens("2.5k") == 2500 and parse_tokens("10_000_000") == 10_000_000
+    assert parse_tokens("9.3G") == 9_300_000_000
+    assert parse_tokens(str(MAX_TOKENS)) == MAX_TOKENS == 2**63 - 1
+    for bad in ("9223372036854775808", "99999999999999999999999", 10**30, 1e30):
+        with pytest.raises(ValueError, match="too large"):
+            parse_tokens(bad)
+    with pytest.raises(ValueError, match="whole"):
+        parse_tokens("1.0000001k")
+
+
+def test_database_out_of_range_is_a_one_line_error(tmp_path, redis_url):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    url = redis_url.rsplit("/", 1)[0] + "/99"
+    cfg = _config(tmp_path, redis_url=url, datasets=[{"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k"}])
+    _one_line_error(_cli("produce", "-c", cfg), "database 99 does not exist", "DB index is out of range")
+    _one_line_error(_cli("worker", "-c", cfg), "database 99 does not exist")
+
+
+def test_password_protected_redis_without_the_password_says_so(tmp_path):
+    from budgetq.localhost import LocalRedis
+
+    server = LocalRedis(password="pw-for-the-test")
+    try:
+        bare = f"redis://127.0.0.1:{server.port}/0"
+        _one_line_error(_cli("status", "--redis-url", bare), f"Redis at 127.0.0.1:{server.port}/0 requires a password")
+        _one_line_error(_cli("worker", "--redis-url", bare), "requires a password")
+        wrong = _cli("status", "--redis-url", f"redis://:wrong-password@127.0.0.1:{server.port}/0")
+        _one_line_error(wrong, "refused the user name or password")
+        assert "wrong-password" not in wrong.stderr
+        assert _cli("status", "--redis-url", server.url).returncode == 0
+    finally:
+        server.stop()
+
+
+def test_worker_concurrency_must_be_positive():
+    for value in ("-5", "0", "many"):
+        out = _cli("worker", "--concurrency", value)
+        _one_line_error(out, "--concurrency", repr(value))
+    _one_line_error(_cli("worker", "--grace-s", "-1"), "--grace-s", "'-1'")
+
+
+def test_budgets_are_exact_and_bounded_by_what_redis_holds(redis_url, conn):
+    register_dataset(conn, DatasetConfig(name="A", path="x", budget="1M"))
+    big = "9223372036854775807"  # int64 max: INCRBY's limit
+    assert _cli("budget", "set", "A", big, "--redis-url", redis_url).returncode == 0
+    assert conn.hget(keys.conf_key("A"), "limit").decode() == big
+    assert _cli("budget", "set", "A", "12345678901234567", "--redis-url", redis_url).returncode == 0
+    assert conn.hget(keys.conf_key("A"), "limit").decode() == "12345678901234567"  # not rounded via a float
+    out = _cli("budget", "set", "A", "99999999999999999999999", "--redis-url", redis_url)
+    _one_line_error(out, "budget for A", "too large", "99999999999999999999999")
+    assert conn.hget(keys.conf_key("A"), "limit").decode() == "12345678901234567"
+
+
+def test_produce_without_datasets_is_an_error(tmp_path):
+    empty = _config(tmp_path)
+    _one_line_error(_cli("produce", "-c", empty), f"no datasets in {empty}")
+    (tmp_path / "c.yaml").write_text("datasets: []\n")
+    _one_line_error(_cli("produce", "-c", empty), f"no datasets in {empty}")
+
+
+def test_empty_dataset_file_is_warned_about_by_name(tmp_path, redis_url):
+    (tmp_path / "empty.jsonl").write_text("")
+    cfg = _config(tmp_path, redis_url=redis_url, output_dir=str(tmp_path / "out"),
+                  producer={"progress": "off"},
+                  datasets=[{"name": "E", "path": str(tmp_path / "empty.jsonl"), "budget": "1k"}])
+    out = _cli("produce", "-c", cfg)  # nothing to send: the run ends at once
+    assert out.returncode == 0, out.stderr
+    assert f"dataset E: {tmp_path / 'empty.jsonl'} is empty" in out.stderr
+
+
+def test_history_s_out_of_range_is_short():
+    out = _cli("status", "--history-s", "99999")
+    _one_line_error(out, "--history-s", "between 0 and 3600", "99999")
+    assert len(out.stderr) < 300

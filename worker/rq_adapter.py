@@ -13,9 +13,20 @@ from rq.utils import now, utcformat
 from shared import keys
 
 
+class _Worker(Worker):
+    """RQ's Worker for registration and heartbeats only. Stock RQ raises the socket timeout of
+    the connection it is given to ~415 s, for its BLPOP dequeue; we never dequeue through RQ,
+    and with that timeout a hung Redis would block every heartbeat, maintenance pass and the
+    deregistration at exit for 7 minutes. So the connection keeps shared.redis_conn's timeouts
+    (rq is pinned to 3.0.x, whose Worker.__init__ calls this hook)."""
+
+    def _set_connection(self, connection: redis.Redis) -> redis.Redis:
+        return connection
+
+
 def register_worker(conn: redis.Redis, name: str) -> Worker:
     """Make this process visible in rq-dashboard's worker list."""
-    w = Worker([Queue("bq-idle", connection=conn)], connection=conn, name=name, serializer=JSONSerializer)
+    w = _Worker([Queue("bq-idle", connection=conn)], connection=conn, name=name, serializer=JSONSerializer)
     w.register_birth()
     return w
 

@@ -26,8 +26,9 @@ import aiohttp
 
 from shared import jobs, keys
 from shared.config import Config
+from shared.errors import BudgetqError
 from shared.maintenance import Maintenance
-from shared.redis_conn import aconnect, connect
+from shared.redis_conn import aconnect, await_ready, connect, explain
 from shared.retry import REDIS_DOWN, retry_redis
 from shared.scripts import Batcher
 from worker import rq_adapter
@@ -39,6 +40,11 @@ from worker.sglang_client import SGLangClient
 log = logging.getLogger("budgetq.worker")
 CLAIM_BATCH = 64
 FLUSH_INTERVAL_S = 0.5
+# Shutdown bounds, whatever Redis or the servers do: after the first signal the worker exits
+# within grace_s + CLOSE_S (requeue, release, deregister), after a second one within FORCED_EXIT_S.
+# What it could not clean up in time (Redis hung or down) comes back through the job leases.
+CLOSE_S = 10.0
+FORCED_EXIT_S = 5.0
 
 
 class _Slots(asyncio.Semaphore):
@@ -83,6 +89,12 @@ class ConcurrentWorker:
         self.stat_incr: Counter[tuple[str, str]] = Counter()
         self.stopping = asyncio.Event()
         self.forced = False
+        self._stop_at: float | None = None     # monotonic time of the first / second signal
+        self._forced_at: float | None = None
+        # True when the exit deadline passed with calls still blocked on Redis in threads: the
+        # CLI then exits without joining them (they would hold the exit until their socket timeout).
+        self.abandoned = False
+        self.rq_worker = None
         self.wake = asyncio.Event()
         self._rotation = 0
         # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
@@ -121,9 +133,11 @@ class ConcurrentWorker:
         if not self.stopping.is_set():
             log.warning("worker %s: %s: finishing requests in flight (up to %.0f s), requeueing the rest; "
                         "send it again to stop at once", self.name, signame, self.grace_s)
+            self._stop_at = time.monotonic()
             self.stopping.set()
-        else:
+        elif not self.forced:
             log.warning("worker %s: second %s: aborting requests in flight and requeueing them", self.name, signame)
+            self._forced_at = time.monotonic()
             self.forced = True
         self.wake.set()
 
@@ -237,7 +251,7 @@ class ConcurrentWorker:
             t.cancel("shutdown", force=True)
         tasks = [t.task for t in self.jobs.values() if t.task is not None]
         if tasks:
-            await asyncio.wait(tasks, timeout=15)
+            await asyncio.wait(tasks, timeout=CLOSE_S / 2)
 
     # -- main ----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -248,50 +262,118 @@ class ConcurrentWorker:
         self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8))
         self.batch = Batcher(self.aconn)
         self.maintenance = Maintenance(self.conn, self.cfg.worker.maintenance_interval_s)
-        self.rq_worker = await self.sync(rq_adapter.register_worker, self.conn, self.name)
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
-        self.client = SGLangClient(session, self.cfg.server, on_retry=lambda ds: self.count(ds, "retried"))
-        await self.control.tick()
-        log.info("worker %s: up to %d requests in flight, servers %s", self.name, self.concurrency,
-                 ", ".join(self.cfg.server.urls))
-        loops = [asyncio.create_task(c) for c in (
-            self._every(self.cfg.worker.control_interval_s, self.control.tick, "control"),
-            self._every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat"),
-            self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
-            self._every(FLUSH_INTERVAL_S, self.flush, "stats"),
-            self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
-        )]
-        try:
-            await self._feed()
-            await self._drain()
-        finally:
-            for t in loops:
-                t.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
-            await self._close(session)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        self.client = SGLangClient(self.session, self.cfg.server, on_retry=lambda ds: self.count(ds, "retried"))
+        rc = await self._supervise(asyncio.create_task(self._main()))
         log.info("worker %s: exited after %d jobs (%s; peak %d in flight; %d redis round trips)", self.name,
                  self.processed, ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())) or "none",
                  self.in_flight_peak, self.round_trips)
+        return rc
+
+    def _exit_deadline(self) -> float | None:
+        if self._forced_at is not None:
+            return self._forced_at + FORCED_EXIT_S
+        if self._stop_at is not None:
+            return self._stop_at + self.grace_s + CLOSE_S
+        return None
+
+    async def _supervise(self, main: asyncio.Task) -> int:
+        """Wait for the worker's main task; past the exit deadline of a stop request, cut it short."""
+        while True:
+            done, _ = await asyncio.wait({main}, timeout=0.25)
+            if done:
+                return main.result()
+            deadline = self._exit_deadline()
+            if deadline is not None and time.monotonic() > deadline:
+                log.error("worker %s: shutdown did not finish in time (Redis not answering?); exiting with %d jobs "
+                          "held: their leases (%d s) expire and the maintenance pass requeues them", self.name,
+                          len(self.jobs), self.ttl)
+                main.cancel()
+                await asyncio.wait({main}, timeout=1.0)
+                self.abandoned = True
+                await self._close_local()
+                return 1
+
+    async def _start(self) -> bool:
+        """Wait for Redis (up to redis_wait_s), register with RQ, read the budgets. False if stopped first."""
+        what = f"worker {self.name}"
+        wait_s = self.cfg.redis_wait_s
+        try:
+            if not await await_ready(self.aconn.ping, self.cfg.redis_url, wait_s, what, self.stopping):
+                return False
+            self.rq_worker = await retry_redis(lambda: self.sync(rq_adapter.register_worker, self.conn, self.name),
+                                               "register", give_up_after_s=wait_s, stop=self.stopping)
+            await retry_redis(self.control.tick, "read budgets", give_up_after_s=wait_s, stop=self.stopping)
+        except REDIS_DOWN as exc:
+            if self.stopping.is_set():
+                return False
+            raise BudgetqError(explain(exc, self.cfg.redis_url)) from None
+        return not self.stopping.is_set()
+
+    async def _main(self) -> int:
+        try:
+            if not await self._start():
+                log.warning("worker %s: stopped before it started", self.name)
+                return 0
+            log.info("worker %s: up to %d requests in flight, servers %s", self.name, self.concurrency,
+                     ", ".join(self.cfg.server.urls))
+            loops = [asyncio.create_task(c) for c in (
+                self._every(self.cfg.worker.control_interval_s, self.control.tick, "control"),
+                self._every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat"),
+                self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
+                self._every(FLUSH_INTERVAL_S, self.flush, "stats"),
+                self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
+            )]
+            try:
+                await self._feed()
+                await self._drain()
+            finally:
+                for t in loops:
+                    t.cancel()
+                await asyncio.gather(*loops, return_exceptions=True)
+        finally:
+            await self._close()
         return 0
 
-    async def _close(self, session: aiohttp.ClientSession) -> None:
-        for attempt in range(20):
+    async def _close(self) -> None:
+        """Write the last counters and deregister, within CLOSE_S even if Redis does not answer."""
+        if self.rq_worker is None:  # never started: nothing in Redis to clean up
+            await self._close_local()
+            return
+        deadline = time.monotonic() + CLOSE_S
+        while self.stat_incr and time.monotonic() < deadline:
             try:
-                await self.flush()
-                break
-            except REDIS_DOWN as exc:
-                if attempt == 19:
+                await asyncio.wait_for(self.flush(), timeout=max(0.1, deadline - time.monotonic()))
+            except (*REDIS_DOWN, TimeoutError) as exc:
+                if time.monotonic() + 0.5 >= deadline:
                     log.error("worker %s: could not record %d stats counters: %s", self.name,
                               sum(self.stat_incr.values()), exc)
+                    break
                 await asyncio.sleep(0.5)
         try:
-            await self.sync(self.rq_worker.register_death)
-            await self.aconn.delete(keys.worker_key(self.name))
-            await self.aconn.srem(keys.WORKERS, self.name)
-        except REDIS_DOWN as exc:
-            log.warning("worker %s: could not deregister: %s", self.name, exc)
-        await self.client.close()
-        await session.close()
-        await self.aconn.aclose()
-        self._pool.shutdown(wait=False)
+            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                await self.sync(self.rq_worker.register_death)
+                await self.aconn.delete(keys.worker_key(self.name))
+                await self.aconn.srem(keys.WORKERS, self.name)
+        except (*REDIS_DOWN, TimeoutError) as exc:
+            log.warning("worker %s: could not deregister (its entry expires by itself): %s", self.name,
+                        exc or "timed out")
+        await self._close_local()
 
+    async def _close_local(self) -> None:
+        """Close what needs no Redis: HTTP sessions, the connection pools, the thread pool."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        try:
+            await self.client.close()  # lets pending /abort_request calls finish (bounded)
+            await self.session.close()
+        finally:
+            if self.abandoned:
+                # wake threads blocked on a socket that never answers (redis-py shuts the sockets down)
+                self.conn.connection_pool.disconnect()
+            try:
+                await asyncio.wait_for(self.aconn.aclose(), timeout=1.0)
+            except (*REDIS_DOWN, TimeoutError):
+                pass
+            self._pool.shutdown(wait=False, cancel_futures=True)
