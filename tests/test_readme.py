@@ -1,4 +1,4 @@
-"""The README's quick start runs as written: ``budgetq demo`` and ``budgetq check`` (its sample output too)."""
+"""The README's quick start runs as written: demo, check (its sample output too), then worker + produce."""
 
 from __future__ import annotations
 
@@ -68,3 +68,28 @@ def test_quick_start_check_runs_as_written_and_prints_what_the_readme_shows(redi
             assert got.split(":")[0].split()[0] == shown.split(":")[0].split()[0], (got, shown)
         else:
             assert got == shown
+
+
+def test_quick_start_real_run_lines_run_as_written(tmp_path, redis_url, sim_factory):
+    """`budgetq worker ... &` then `budgetq produce ...`: the example config (one dataset, B2, 400
+    prompts, a 10M budget) runs until its prompts run out, against the README's stand-in server."""
+    import json
+    import signal
+
+    cmds = _commands(_quick_start())
+    (worker,) = [c for c in cmds if c.startswith("budgetq worker")]
+    (produce,) = [c for c in cmds if c.startswith("budgetq produce")]
+    url = sim_factory("--instant", "--length-mean", "40")
+    env = _env(BUDGETQ_REDIS_URL=redis_url, BUDGETQ_SERVER_URLS=url, BUDGETQ_OUTPUT_DIR=str(tmp_path / "out"))
+    argv = shlex.split(worker.rstrip("&").strip())
+    w = subprocess.Popen([sys.executable, "-m", "budgetq.cli", *argv[1:]], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc = _run(produce, env)
+    finally:
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(60) == 0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "budgetq summary" in proc.stdout and re.search(r"^│ B2 +│", proc.stdout, re.M), proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "out" / "B2.jsonl").read_text().splitlines()]
+    assert len(rows) == 400 and len({r["id"] for r in rows}) == 400
