@@ -117,6 +117,15 @@ def export_parquet(source: Path, target: Path, meta: Path | None = None,
     return res
 
 
+def _malformed(res: ExportResult, line_no: int, exc: ValueError) -> None:
+    """Count and report (the first MAX_REPORTED of) the lines an export skips."""
+    res.malformed += 1
+    msg = f"{res.source}:{line_no}: malformed row skipped: {exc}"
+    log.warning(msg)
+    if len(res.reports) < MAX_REPORTED:
+        res.reports.append(msg)
+
+
 def _copy(fh: BinaryIO, writer: pq.ParquetWriter, schema: pa.Schema, res: ExportResult, batch_rows: int) -> None:
     batch: list[dict] = []
     for line_no, raw in enumerate(fh, start=1):
@@ -125,11 +134,7 @@ def _copy(fh: BinaryIO, writer: pq.ParquetWriter, schema: pa.Schema, res: Export
         try:
             batch.append(_parse(raw))
         except ValueError as exc:
-            res.malformed += 1
-            msg = f"{res.source}:{line_no}: malformed row skipped: {exc}"
-            log.warning(msg)
-            if len(res.reports) < MAX_REPORTED:
-                res.reports.append(msg)
+            _malformed(res, line_no, exc)
             continue
         if len(batch) >= batch_rows:
             writer.write_table(pa.Table.from_pylist(batch, schema=schema))
@@ -182,11 +187,7 @@ def _one_specforge(raw: bytes, line_no: int, out, res: SpecForgeResult) -> None:
     try:
         row = _row(raw)
     except ValueError as exc:
-        res.malformed += 1
-        msg = f"{res.source}:{line_no}: malformed row skipped: {exc}"
-        log.warning(msg)
-        if len(res.reports) < MAX_REPORTED:
-            res.reports.append(msg)
+        _malformed(res, line_no, exc)
         return
     if row.finish_reason != "stop":
         res.truncated += 1

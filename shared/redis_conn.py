@@ -168,6 +168,18 @@ def explain(exc: BaseException, url: str) -> str:
     return f"Redis at {where}: {type(exc).__name__}: {text}"
 
 
+def _pause_or_raise(exc: redis.RedisError, url: str, what: str, started: float, attempt: int,
+                    wait_s: float) -> float:
+    """How long to wait before ping ``attempt + 1``; raises (one line) when waiting will not help."""
+    if is_fatal(exc) or not isinstance(exc, REDIS_DOWN):
+        raise BudgetqError(explain(exc, url)) from None
+    waited = time.monotonic() - started
+    if waited >= wait_s:
+        raise BudgetqError(_gave_up(exc, url, waited, wait_s)) from None
+    _log_waiting(what, url, exc, attempt, wait_s)
+    return min(backoff_s(min(attempt, 6), 0.2, 5.0), wait_s - waited)
+
+
 def wait_ready(conn: redis.Redis, url: str, wait_s: float, what: str,
                stop: Callable[[], bool] | None = None) -> bool:
     """Ping until Redis answers, with backoff and a log line, for up to ``wait_s`` (0: one try).
@@ -183,14 +195,8 @@ def wait_ready(conn: redis.Redis, url: str, wait_s: float, what: str,
                 log.warning("%s: Redis at %s answers after %.1f s", what, describe(url), time.monotonic() - started)
             return True
         except redis.RedisError as exc:
-            if is_fatal(exc) or not isinstance(exc, REDIS_DOWN):
-                raise BudgetqError(explain(exc, url)) from None
             attempt += 1
-            waited = time.monotonic() - started
-            if waited >= wait_s:
-                raise BudgetqError(_gave_up(exc, url, waited, wait_s)) from None
-            _log_waiting(what, url, exc, attempt, wait_s)
-            deadline = time.monotonic() + min(backoff_s(min(attempt, 6), 0.2, 5.0), wait_s - waited)
+            deadline = time.monotonic() + _pause_or_raise(exc, url, what, started, attempt, wait_s)
             while time.monotonic() < deadline:
                 if stop is not None and stop():
                     return False
@@ -211,14 +217,8 @@ async def await_ready(ping: Callable[[], Awaitable[Any]], url: str, wait_s: floa
                 log.warning("%s: Redis at %s answers after %.1f s", what, describe(url), time.monotonic() - started)
             return True
         except redis.RedisError as exc:
-            if is_fatal(exc) or not isinstance(exc, REDIS_DOWN):
-                raise BudgetqError(explain(exc, url)) from None
             attempt += 1
-            waited = time.monotonic() - started
-            if waited >= wait_s:
-                raise BudgetqError(_gave_up(exc, url, waited, wait_s)) from None
-            _log_waiting(what, url, exc, attempt, wait_s)
-            pause = min(backoff_s(min(attempt, 6), 0.2, 5.0), wait_s - waited)
+            pause = _pause_or_raise(exc, url, what, started, attempt, wait_s)
             if stop is None:
                 await asyncio.sleep(pause)
             else:
