@@ -239,6 +239,21 @@ class Stack:
     def producer(self, cfg: Path, name: str = "producer") -> subprocess.Popen:
         return self.spawn(name, [*CLI, "produce", "-c", str(cfg)])
 
+    def run(self, cfg: Path, name: str, workers: int, per_worker: int) -> list[subprocess.Popen]:
+        """``workers`` worker processes and a producer on ``cfg`` until the producer exits 0 (every
+        dataset complete); everything is stopped after. Returns the workers (their logs hold the
+        exit lines)."""
+        procs = [self.worker(cfg, per_worker, f"worker-{name}-{i}") for i in range(workers)]
+        producer = self.producer(cfg, f"producer-{name}")
+        try:
+            rc = producer.wait(3600)
+            if rc != 0:
+                raise RuntimeError(f"producer exited with {rc}:\n{log_text(producer)[-3000:]}")
+        finally:
+            for p in (producer, *procs):
+                stop(p)
+        return procs
+
     def close(self) -> None:
         self.redis.stop()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -175,17 +175,7 @@ def write_config(stack: c.Stack, sim: c.Sim, s: Settings, policy: str, n: int) -
 
 def run_pipeline(stack: c.Stack, cfg: c.Path, s: Settings, name: str, n: int) -> list:
     """Workers and producer until the producer has seen every dataset complete; returns the workers."""
-    workers = [stack.worker(cfg, n // s.workers, f"worker-{name}-{i}") for i in range(s.workers)]
-    producer = stack.producer(cfg, f"producer-{name}")
-    try:
-        rc = producer.wait(3600)
-        if rc != 0:
-            raise RuntimeError(f"producer exited with {rc}:\n{c.log_text(producer)[-3000:]}")
-    finally:
-        c.stop(producer)
-        for w in workers:
-            c.stop(w)
-    return workers
+    return stack.run(cfg, name, s.workers, n // s.workers)
 
 
 def run_once(stack: c.Stack, sim: c.Sim, s: Settings, policy: str, n: int) -> list[Outcome]:

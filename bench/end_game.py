@@ -138,16 +138,10 @@ def run_case(stack: c.Stack, sim: c.Sim, case: Case, variant: str, speedup: floa
                        producer={"progress": "off"})
     sampler = Sampler(sim)
     sampler.start()
-    workers = [stack.worker(cfg, case.per_worker, f"worker-{case.name}-{variant}-{i}") for i in range(case.workers)]
-    producer = stack.producer(cfg, f"producer-{case.name}-{variant}")
     try:
-        rc = producer.wait(3600)
-        if rc != 0:
-            raise RuntimeError(f"producer exited with {rc}:\n{c.log_text(producer)[-3000:]}")
+        stack.run(cfg, f"{case.name}-{variant}", case.workers, case.per_worker)
     finally:
         sampler.done.set()
-        for p in (producer, *workers):
-            c.stop(p)
     sim.wait_idle(120)
     records = sim.records()
     conn = stack.conn()

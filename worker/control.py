@@ -140,15 +140,14 @@ class Control:
         for t in self.w.jobs.values():
             if t.phase is Phase.SENDING and t.ds in refine:
                 running.setdefault(t.ds, []).append((t, self.w.length.generated_so_far(now - t.admitted_at)))
-        for ds, mine in running.items():
-            if self.w.cfg.worker.taper_estimate != "censored":
-                break
-            # Requests in flight are lengths known to be at least g (censored): without them the
-            # estimate leans on the short answers that finished first. Other workers' requests
-            # are like ours: each of ours stands for in_flight / ours of them.
-            st = self.states[ds]
-            self.w.length.set_running(ds, st.max_tokens, (g for _t, g in mine),
-                                      weight=max(1.0, st.in_flight / len(mine)))
+        # Requests in flight are lengths known to be at least g (censored): without them the
+        # estimate leans on the short answers that finished first. Other workers' requests are
+        # like ours: each of ours stands for in_flight / ours of them.
+        if self.w.cfg.worker.taper_estimate == "censored":
+            for ds, mine in running.items():
+                st = self.states[ds]
+                self.w.length.set_running(ds, st.max_tokens, (g for _t, g in mine),
+                                          weight=max(1.0, st.in_flight / len(mine)))
         per_ds: dict[str, dict[str, int]] = {}
         for ds, mine in running.items():
             st = self.states[ds]
