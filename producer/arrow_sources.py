@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from producer.sources import CHUNK, HF_PREFIX, TAKE_WINDOW, SourceItem, SourceRow, permutation
+from producer.source_rows import CHUNK, HF_PREFIX, TAKE_WINDOW, SourceItem, SourceRow, permutation
 from shared.config import DatasetConfig
 from shared.errors import ConfigError
 

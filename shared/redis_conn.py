@@ -31,6 +31,7 @@ import redis.asyncio.retry as aretry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from shared import keys
 from shared.errors import BudgetqError, ConfigError
 from shared.retry import REDIS_DOWN, backoff_s
 
@@ -123,6 +124,16 @@ def aconnect(url: str, max_connections: int = 32) -> aredis.Redis:
         url, max_connections=max_connections, timeout=30, health_check_interval=15,
         retry=_AsyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON), **_timeouts(url))
     return aredis.Redis(connection_pool=pool)
+
+
+def text(value: Any) -> str:
+    """A Redis reply (bytes from a client without decode_responses) as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def dataset_names(conn: redis.Redis) -> list[str]:
+    """The registered datasets (every run's, not only this config's), sorted."""
+    return sorted(text(n) for n in conn.smembers(keys.DATASETS))
 
 
 def describe(url: str) -> str:

@@ -134,18 +134,6 @@ def check_invariants(conn: redis.Redis, out: Path, ds: str, valid_ids: list[str]
     return {"used": used, "rows": len(kept), **states}
 
 
-def start_sim(port: int, *args: str) -> subprocess.Popen:
-    p = subprocess.Popen([*PY, "sim", "--port", str(port), *args], cwd=ROOT, env=dict(os.environ))
-    wait_http(f"http://127.0.0.1:{port}/health")
-    return p
-
-
-def wait_http(url: str, timeout_s: float = 15.0) -> None:
-    from budgetq.localhost import wait_http as _wait
-
-    _wait(url, timeout_s)
-
-
 def holders(conn: redis.Redis, ds: str, pid: int) -> set[str]:
     """Job ids a worker process (by pid) holds in the started registry right now."""
     held = set()

@@ -13,7 +13,6 @@ import pytest
 from _live import CLI, ROOT, http_get, rows, run, three_datasets, write_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from budgetq.localhost import free_port, wait_http
 from producer.monitor import MonitorThread, check_bind
 from shared import budget, keys
 from shared.budget import register_dataset
@@ -21,6 +20,7 @@ from shared.config import Config, DatasetConfig, MonitorConfig
 from shared.errors import ConfigError
 from shared.scripts import run as run_script
 from shared.status import COUNT_FIELDS
+from simulator.local import free_port, wait_http
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:

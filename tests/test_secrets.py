@@ -18,8 +18,8 @@ import pytest
 import redis
 from _live import CLI, ROOT, http_get, run, three_datasets, write_config
 
-from budgetq.localhost import free_port, wait_http
 from shared import logs
+from simulator.local import free_port, wait_http
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from budgetq.localhost import free_port
 from shared import budget as bq_budget
 from shared import keys
 from shared.budget import register_dataset
 from shared.config import DatasetConfig
 from shared.scripts import run as run_script
 from shared.status import COUNT_FIELDS, snapshot
+from simulator.local import free_port
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
