@@ -93,6 +93,12 @@ def register_secret(value: str | None) -> None:
         _secrets.update({value, quote(value, safe=""), unquote(value)})
 
 
+def forget_secrets() -> None:
+    """Unregister every secret (tests: one test's secrets must not mask the next one's output)."""
+    with _lock:
+        _secrets.clear()
+
+
 def url_password(url: str | None) -> str | None:
     """The password part of a URL such as ``rediss://user:pw@host:6380/0`` (None if there is none)."""
     if not url:

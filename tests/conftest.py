@@ -7,9 +7,17 @@ from pathlib import Path
 import pytest
 import redis
 
+from shared.logs import forget_secrets
 from simulator.local import LocalRedis, LocalSim
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _forget_secrets():
+    """shared.logs keeps registered secrets in a process-wide set: empty it after every test."""
+    yield
+    forget_secrets()
 
 
 @pytest.fixture(scope="session")
