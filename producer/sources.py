@@ -119,7 +119,7 @@ def _line_offsets(path: str) -> np.ndarray:
     return offsets[:-1] if offsets[-1] == pos else offsets  # a final newline starts no line
 
 
-def _jsonl(ds: DatasetConfig) -> Iterator[SourceItem]:
+def _jsonl(ds: DatasetConfig) -> Generator[SourceItem, None, None]:
     with open(ds.path, "rb") as fh:
         if not ds.shuffle:
             for line_no, raw in enumerate(fh, start=1):
@@ -234,7 +234,7 @@ def _read_span(fh: Any, span: _Span, index: int) -> SourceItem:
     return SourceRow(index, row)
 
 
-def _json_array(ds: DatasetConfig) -> Iterator[SourceItem]:
+def _json_array(ds: DatasetConfig) -> Generator[SourceItem, None, None]:
     with open(ds.path, "rb") as fh:
         if not ds.shuffle:
             for n, span in enumerate(_array_spans(ds.path), start=1):

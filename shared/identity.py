@@ -66,9 +66,9 @@ def prompt_id(value: Any, field: str) -> str:
     if isinstance(value, str):
         if value == "":
             raise IdError(f"id field {field!r} is empty")
-        if _SURROGATE.search(value):
+        if lone := _SURROGATE.search(value):
             # json.loads accepts "\ud800"; no UTF-8 file, JSON row or HTTP body can hold it.
-            raise IdError(f"id field {field!r} holds a lone surrogate ({_SURROGATE.search(value).group()!a}), "
+            raise IdError(f"id field {field!r} holds a lone surrogate ({lone.group()!a}), "
                           "which UTF-8 cannot encode")
         return value
     if isinstance(value, bool):

@@ -24,7 +24,7 @@ from shared import keys
 from shared.budget import DatasetState, dataset_state
 from shared.config import Config
 from shared.logs import redact_url
-from shared.redis_conn import dataset_names, describe, text
+from shared.redis_conn import dataset_names, describe, stream_entries, text
 
 SCHEMA_VERSION = 1
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
@@ -91,7 +91,7 @@ def _state(st: DatasetState, queued: int) -> str:
 def _rate(st: DatasetState, buckets: dict[int, int], now: float) -> float:
     """Tokens per second over the last TOK_S_WINDOW_S (from this run's registration on, if later)."""
     start = _bucket(now) - TOK_S_WINDOW_S
-    since = start
+    since: float = start
     if st.registered_at is not None and st.registered_at > start:
         start, since = _bucket(st.registered_at), st.registered_at
     tokens = sum(v for t, v in buckets.items() if t >= start)
@@ -221,7 +221,7 @@ def endpoint_summary(workers: list[dict[str, Any]], configured: Iterable[str] = 
 def control_entries(conn: redis.Redis, n: int = CONTROL_ENTRIES) -> list[dict[str, Any]]:
     """The last ``n`` operator actions, newest first."""
     out = []
-    for eid, fields in conn.xrevrange(keys.CONTROL_LOG, count=n):
+    for eid, fields in stream_entries(conn.xrevrange(keys.CONTROL_LOG, count=n)):
         f = {text(k): text(v) for k, v in fields.items()}
         out.append({"id": text(eid), "ts": _num(f.get("ts"), float, None), "who": f.get("who"),
                     "action": f.get("action"), "dataset": f.get("dataset"), "old": f.get("old"),
