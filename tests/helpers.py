@@ -75,9 +75,9 @@ class Procs:
 
     def start(self, *args: str) -> subprocess.Popen:
         self._n += 1
-        log = open(self.log_dir / f"{args[0]}-{self._n}.log", "w")
-        p = subprocess.Popen([*PY, *args, "-c", str(self.cfg)], cwd=ROOT, env=dict(os.environ),
-                             stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_dir / f"{args[0]}-{self._n}.log", "w") as log:  # the child keeps its own copy
+            p = subprocess.Popen([*PY, *args, "-c", str(self.cfg)], cwd=ROOT, env=dict(os.environ),
+                                 stdout=log, stderr=subprocess.STDOUT)
         p.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(p)
         return p
