@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from budgetq.localhost import LocalRedis, free_port, wait_http  # noqa: E402
+from simulator.local import LocalRedis, LocalSim  # noqa: E402
 
 CLI = [sys.executable, "-m", "budgetq.cli"]
 # The checkout first; a PYTHONPATH given by the caller stays behind it (e.g. to try an extra package).
@@ -154,16 +154,11 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 3
             proc.wait()
 
 
-class Sim:
-    """A ``budgetq sim`` subprocess on a free port."""
+class Sim(LocalSim):
+    """A ``budgetq sim`` subprocess on a free port (the checkout's code), with the /sim/* helpers."""
 
     def __init__(self, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.flags = flags
-        self.proc = subprocess.Popen([*CLI, "--log-level", "WARNING", "sim", "--port", str(self.port), *flags],
-                                     cwd=ROOT, env=ENV)
-        wait_http(self.url + "/health", timeout_s=30)
+        super().__init__(*flags, cli=[*CLI, "--log-level", "WARNING"], env=ENV, cwd=ROOT)
 
     def get(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=60) as resp:
@@ -190,7 +185,7 @@ class Sim:
         raise RuntimeError(f"simulator still busy after {timeout_s:.0f} s")
 
     def close(self) -> None:
-        stop(self.proc)
+        self.stop()
 
 
 @dataclass
@@ -305,4 +300,4 @@ def redis_info(conn) -> dict:
     return {"commands": int(info["total_commands_processed"]), "reads": int(info["total_reads_processed"])}
 
 
-__all__ = ["ROOT", "CLI", "ENV", "LocalRedis", "Sim", "Stack", "free_port", "wait_http"]
+__all__ = ["ROOT", "CLI", "ENV", "LocalRedis", "Sim", "Stack"]

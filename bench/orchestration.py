@@ -83,7 +83,7 @@ def measure(stack: c.Stack, sim: c.Sim, cfg: c.Path, name: str, concurrency: int
             env: dict[str, str] | None = None) -> Run:
     conn = stack.conn()
     before = c.redis_info(conn)
-    cpu0 = {"redis": c.cpu_s(stack.redis.proc.pid), "sim": c.cpu_s(sim.proc.pid)}
+    cpu0 = {"redis": c.cpu_s(stack.redis.proc.pid), "sim": c.cpu_s(sim.pid)}
     proc = stack.spawn(f"{name}-{concurrency}", argv, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -91,7 +91,7 @@ def measure(stack: c.Stack, sim: c.Sim, cfg: c.Path, name: str, concurrency: int
         raise RuntimeError(f"{name} exited with {proc.returncode}:\n{c.log_text(proc)[-3000:]}")
     after = c.redis_info(conn)
     cpu = {"worker": usage.ru_utime + usage.ru_stime,
-           "redis": c.cpu_s(stack.redis.proc.pid) - cpu0["redis"], "sim": c.cpu_s(sim.proc.pid) - cpu0["sim"]}
+           "redis": c.cpu_s(stack.redis.proc.pid) - cpu0["redis"], "sim": c.cpu_s(sim.pid) - cpu0["sim"]}
     trips = None
     if name == "budgetq":
         trips = c.worker_exit(c.log_text(proc)).round_trips / n

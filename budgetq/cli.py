@@ -199,10 +199,11 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_retry_failed(args: argparse.Namespace) -> int:
-    from shared import budget, control
+    from shared import control
+    from shared.redis_conn import dataset_names
 
     _cfg, conn = _conn(args)
-    names = args.dataset or budget.dataset_names(conn)
+    names = args.dataset or dataset_names(conn)
     counts = control.retry_failed(conn, names)
     for ds, n in counts.items():
         print(f"{ds}: requeued {n} failed jobs")

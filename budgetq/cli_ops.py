@@ -16,20 +16,14 @@ from shared.config import Config
 from shared.errors import BudgetqError
 
 
-def _server_urls(cfg: Config) -> list[str]:
-    # Configured URLs are listed even before a worker reports them, but only if someone set
-    # them: the built-in default would show a server nobody runs.
-    return cfg.server.urls if "server" in cfg.model_fields_set else []
-
-
 def _snapshot(cfg: Config, conn, history_s: int = 60) -> dict:
     import redis
 
     from shared.redis_conn import explain
-    from shared.status import snapshot
+    from shared.status import configured_server_urls, snapshot
 
     try:
-        return snapshot(conn, cfg.redis_url, _server_urls(cfg), history_s=history_s)
+        return snapshot(conn, cfg.redis_url, configured_server_urls(cfg), history_s=history_s)
     except redis.RedisError as exc:
         raise BudgetqError(f"cannot read status: {explain(exc, cfg.redis_url)}") from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from budgetq.localhost import LocalRedis, cli_command, free_port, wait_http
+from simulator.local import LocalRedis, LocalSim, cli_command
 
 # Mean response lengths per dataset, like the seed's (the simulator keys them on the job id).
 MEANS = {"A1": 1577, "B2": 3793, "C1": 2000}
@@ -56,23 +56,23 @@ def write_demo_config(out: Path, redis_url: str, server_url: str) -> Path:
 def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64,
              log_level: str = "INFO", log_format: str = "text") -> int:
     local = None if redis_url else LocalRedis()
-    url = redis_url or local.url
-    port = free_port()
-    out = Path(tempfile.mkdtemp(prefix="budgetq-demo-out-"))
-    cfg_path = write_demo_config(out, url, f"http://127.0.0.1:{port}")
+    url = redis_url or local.url  # type: ignore[union-attr]
     # Every child gets the demo's own --log-level/--log-format: `budgetq --log-level WARNING
     # demo` must be quiet all the way down, not only in this process.
     py = cli_command(log_level, log_format)
-    sim_args = [*py, "sim", "--port", str(port), "--speedup", "25", "--seed", "1"]
+    sim_flags = ["--speedup", "25", "--seed", "1"]
     for name, mean in MEANS.items():
-        sim_args += ["--length-mean-for", f"{name}-={mean}"]
+        sim_flags += ["--length-mean-for", f"{name}-={mean}"]
     # The children read only the demo's config: a BUDGETQ_SERVER_URLS or BUDGETQ_REDIS_URL left
     # in the user's shell would otherwise override it and send demo traffic to a real server.
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUDGETQ_")}
     env["PYTHONUNBUFFERED"] = "1"
-    procs = [subprocess.Popen(sim_args, env=env)]
+    sim: LocalSim | None = None
+    procs: list[subprocess.Popen] = []
     try:
-        wait_http(f"http://127.0.0.1:{port}/health")
+        sim = LocalSim(*sim_flags, cli=py, env=env)
+        out = Path(tempfile.mkdtemp(prefix="budgetq-demo-out-"))
+        cfg_path = write_demo_config(out, url, sim.url)
         procs += [subprocess.Popen([*py, "worker", "-c", str(cfg_path), "--concurrency", str(concurrency)], env=env)
                   for _ in range(workers)]
         rc = subprocess.call([*py, "produce", "-c", str(cfg_path)], env=env)
@@ -86,5 +86,7 @@ def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64,
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if sim is not None:
+            sim.stop()
         if local is not None:
             local.stop()

@@ -9,21 +9,11 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from shared.status import format_duration
 from shared.tokens import format_tokens
 
 BAR_WIDTH = 20
 _STATE_STYLE = {"paused": "yellow", "done": "green", "draining": "magenta", "running": "cyan", "idle": "dim"}
-
-
-def fmt_duration(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(round(s))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def text_bar(pct: float | None, width: int = BAR_WIDTH) -> Text:
@@ -52,7 +42,7 @@ def datasets_table(snap: dict[str, Any]) -> Table:
         t.add_row(d["dataset"], Text(d["state"], style=_STATE_STYLE.get(d["state"], "")), text_bar(d["used_pct"]),
                   f"{d['used']:,}", format_tokens(d["budget"]), f"{d['in_flight']:,}", f"{d['reserved']:,}",
                   f"{d['queued']:,}", f"{c['committed']:,}", f"{c['skipped']:,}", f"{c['failed']:,}",
-                  f"{c['invalid']:,}", f"{d['tok_s']:,.0f}", fmt_duration(d["eta_s"]))
+                  f"{c['invalid']:,}", f"{d['tok_s']:,.0f}", format_duration(d["eta_s"]))
     if not snap["datasets"]:
         t.add_row("(no dataset registered)", *[""] * 13)
     return t
@@ -63,7 +53,7 @@ def workers_table(snap: dict[str, Any]) -> Table:
     for col in ("worker", "host", "pid", "up", "in flight", "concurrency", "processed"):
         t.add_column(col, justify="left" if col in ("worker", "host") else "right", no_wrap=True)
     for w in snap["workers"]:
-        t.add_row(w["name"], w["host"] or "-", str(w["pid"] or "-"), fmt_duration(w["uptime_s"]),
+        t.add_row(w["name"], w["host"] or "-", str(w["pid"] or "-"), format_duration(w["uptime_s"]),
                   f"{w['in_flight']:,}", f"{w['concurrency']:,}", f"{w['processed']:,}")
     if not snap["workers"]:
         t.add_row("(no live worker)", *[""] * 6)

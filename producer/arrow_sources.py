@@ -10,11 +10,11 @@ import base64
 import datetime as dt
 import decimal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from producer.sources import CHUNK, HF_PREFIX, TAKE_WINDOW, SourceItem, SourceRow, permutation
+from producer.source_rows import CHUNK, HF_PREFIX, TAKE_WINDOW, SourceItem, SourceRow, permutation
 from shared.config import DatasetConfig
 from shared.errors import ConfigError
 
@@ -53,7 +53,7 @@ def _take_shuffled(n: int, seed: int, take: Any) -> Iterator[SourceRow]:
         yield from _table_rows(take(idx), [int(i) + 1 for i in idx])
 
 
-def read_parquet(ds: DatasetConfig) -> Iterator[SourceItem]:
+def read_parquet(ds: DatasetConfig) -> Generator[SourceItem, None, None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -153,7 +153,7 @@ def open_hf(ds: DatasetConfig) -> Any:
     return obj
 
 
-def read_hf(ds: DatasetConfig) -> Iterator[SourceItem]:
+def read_hf(ds: DatasetConfig) -> Generator[SourceItem, None, None]:
     # Arrow format: raw storage values (an Image column stays {bytes, path}), no decoding.
     dataset = open_hf(ds).with_format("arrow")
     if not ds.shuffle:

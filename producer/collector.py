@@ -12,10 +12,12 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TextIO
 
 import redis
 
 from shared import keys
+from shared.redis_conn import StreamEntries, stream_entries, text
 
 log = logging.getLogger("budgetq.collector")
 KINDS = {"row": "{ds}.jsonl", "truncated": "{ds}.truncated.jsonl"}
@@ -79,8 +81,8 @@ class Collector:
         total = 0
         for ds, paths in self.paths.items():
             while True:
-                cursor = (self.conn.get(keys.cursor_key(ds)) or b"0-0").decode()
-                entries = self.conn.xrange(keys.results_key(ds), min=f"({cursor}", count=count)
+                cursor = text(self.conn.get(keys.cursor_key(ds)) or b"0-0")
+                entries = stream_entries(self.conn.xrange(keys.results_key(ds), min=f"({cursor}", count=count))
                 if not entries:
                     break
                 total += self._write(ds, paths, entries)
@@ -91,8 +93,8 @@ class Collector:
                 pipe.execute()
         return total
 
-    def _write(self, ds: str, paths: dict[str, Path], entries: list) -> int:
-        handles = {}
+    def _write(self, ds: str, paths: dict[str, Path], entries: StreamEntries) -> int:
+        handles: dict[str, TextIO] = {}
         written = 0
         try:
             for _eid, fields in entries:

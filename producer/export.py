@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from producer.conversations import specforge_problem
-from producer.sources import kind
+from shared.json_kind import kind
 from shared.schema import Message, ResultRow
 
 log = logging.getLogger("budgetq.export")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from producer.conversations import normalise
-from producer.sources import kind
 from shared.config import DatasetConfig
+from shared.json_kind import kind
 from shared.schema import Message
 
 # OpenAI-style messages: the role names as they are.

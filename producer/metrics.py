@@ -89,5 +89,5 @@ class SnapshotCollector:
 def render(snap: dict[str, Any]) -> bytes:
     """The Prometheus text exposition of one snapshot."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(snap))  # type: ignore[arg-type]
+    registry.register(SnapshotCollector(snap))
     return generate_latest(registry)

@@ -29,6 +29,7 @@ from rq.registry import (
 
 from shared import keys
 from shared.identity import SCHEME, SCHEME_FIELD, SCHEME_MIGRATED
+from shared.redis_conn import text
 
 _REGISTRIES = (StartedJobRegistry, FailedJobRegistry, CanceledJobRegistry, FinishedJobRegistry,
                ScheduledJobRegistry, DeferredJobRegistry)
@@ -50,7 +51,7 @@ def id_scheme(conn: redis.Redis, ds: str) -> str:
     """The dataset's scheme (``2`` or ``1+2``), deciding and storing it on first use."""
     current = conn.hget(keys.conf_key(ds), SCHEME_FIELD)
     if current is not None:
-        return current.decode()
+        return text(current)
     scheme = SCHEME_MIGRATED if has_state(conn, ds) else SCHEME
     conn.hsetnx(keys.conf_key(ds), SCHEME_FIELD, scheme)
-    return (conn.hget(keys.conf_key(ds), SCHEME_FIELD) or scheme.encode()).decode()
+    return text(conn.hget(keys.conf_key(ds), SCHEME_FIELD) or scheme)

@@ -30,7 +30,7 @@ from shared.config import Config, MonitorConfig
 from shared.errors import ConfigError
 from shared.logs import register_config_secrets
 from shared.redis_conn import connect, explain
-from shared.status import snapshot
+from shared.status import configured_server_urls, snapshot
 
 log = logging.getLogger("budgetq.monitor")
 # Snapshots are shared by all viewers and scrapes within this window (one Redis read per window).
@@ -73,7 +73,7 @@ class Monitor:
         # connect(): socket timeouts, so a Redis that never answers costs each request 10 s, not forever
         self.conn = conn if conn is not None else connect(cfg.redis_url)
         self._failing = False
-        self._servers = cfg.server.urls if "server" in cfg.model_fields_set else []
+        self._servers = configured_server_urls(cfg)
         self._cached: tuple[float, dict[str, Any]] | None = None
         self._lock = asyncio.Lock()
         self._page = _page()

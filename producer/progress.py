@@ -15,18 +15,11 @@ from typing import Any, TextIO
 import redis
 
 from shared.config import Config
-from shared.status import dataset_snapshots, server_now
+from shared.status import dataset_snapshots, format_duration, server_now
 from shared.tokens import format_tokens
 
 log = logging.getLogger("budgetq.progress")
 BAR_REFRESH_S = 0.5
-
-
-def _eta(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 class ProgressReporter:
@@ -88,7 +81,7 @@ class ProgressReporter:
         c = d["counts"]
         pct = d["used_pct"] if d["used_pct"] is not None else 0.0
         log.info("progress %s %.2f%% (%s / %s tokens, %.0f tok/s, ETA %s)", d["dataset"], pct,
-                 format_tokens(d["used"]), format_tokens(d["budget"]), d["tok_s"], _eta(d["eta_s"]),
+                 format_tokens(d["used"]), format_tokens(d["budget"]), d["tok_s"], format_duration(d["eta_s"]),
                  extra={"dataset": d["dataset"], "state": d["state"], "used": d["used"], "budget": d["budget"],
                         "tok_s": d["tok_s"], "eta_s": d["eta_s"], "in_flight": d["in_flight"],
                         "queued": d["queued"], "committed": c["committed"], "skipped": c["skipped"],
@@ -124,7 +117,7 @@ class ProgressReporter:
         for d in snaps:
             fields = {"pct": d["used_pct"] or 0.0, "used": format_tokens(d["used"]),
                       "budget": format_tokens(d["budget"]), "tok_s": format_tokens(round(d["tok_s"])),
-                      "eta": _eta(d["eta_s"]), "in_flight": d["in_flight"]}
+                      "eta": format_duration(d["eta_s"]), "in_flight": d["in_flight"]}
             total = max(1, d["budget"])
             if d["dataset"] not in self._tasks:
                 self._tasks[d["dataset"]] = self._progress.add_task(d["dataset"], total=total, **fields)

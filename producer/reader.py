@@ -23,7 +23,8 @@ from producer.arrow_sources import plain
 from producer.conversations import with_template_system
 from producer.mapping import prompt_chars, row_to_messages
 from producer.seen import SeenIds
-from producer.sources import SourceError, SourceItem, detect_format, iter_rows
+from producer.source_rows import SourceError, SourceItem
+from producer.sources import detect_format, iter_rows
 from producer.tokenize import PromptEncoder
 from shared.config import DatasetConfig, ServerConfig
 from shared.identity import IdError, has_surrogate, prompt_id, stable_id

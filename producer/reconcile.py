@@ -24,6 +24,7 @@ from shared import budget, keys
 from shared.config import Config, DatasetConfig
 from shared.errors import BudgetqError
 from shared.identity import SCHEME_MIGRATED, job_id, legacy_job_id
+from shared.redis_conn import stream_entries, text
 from shared.scripts import run
 
 log = logging.getLogger("budgetq.reconcile")
@@ -52,8 +53,8 @@ def rows_on_disk(out_dir: Path, ds: DatasetConfig) -> Iterator[tuple[str, int, i
 
 
 def _rows_in_stream(conn: redis.Redis, ds: DatasetConfig) -> Iterator[tuple[str, int, int]]:
-    cursor = (conn.get(keys.cursor_key(ds.name)) or b"0-0").decode()
-    for _eid, fields in conn.xrange(keys.results_key(ds.name), min=f"({cursor}"):
+    cursor = text(conn.get(keys.cursor_key(ds.name)) or b"0-0")
+    for _eid, fields in stream_entries(conn.xrange(keys.results_key(ds.name), min=f"({cursor}")):
         row = json.loads(fields[b"row"])
         kind = fields.get(b"kind", b"row").decode()
         yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])

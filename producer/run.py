@@ -23,6 +23,7 @@ from pathlib import Path
 
 import redis
 from rq import Queue
+from rq.queue import EnqueueData
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -210,7 +211,7 @@ class Producer:
         return out
 
     def _enqueue(self, f: Feed, batch: list[Prompt]) -> None:
-        data: dict[str, dict] = {}
+        data: dict[str, EnqueueData] = {}
         states = self._known(f, batch)
         for p, state in zip(batch, states, strict=True):
             if state is not None:  # done, or queued / running / failed from an earlier producer
@@ -243,7 +244,7 @@ class Producer:
                     line = next(p.line for p in batch if job_id(f.ds.name, p.id) == item[0])
                     self._record_invalid(f, Invalid(line, f"cannot enqueue: {type(exc).__name__}: {exc}"))
 
-    def _push(self, f: Feed, items: list[tuple[str, object]]) -> None:
+    def _push(self, f: Feed, items: list[tuple[str, EnqueueData]]) -> None:
         canceled = CanceledJobRegistry(f.queue.name, connection=self.conn, serializer=JSONSerializer).key
         with self.conn.pipeline() as pipe:
             pipe.zrem(canceled, *[jid for jid, _ in items])  # skipped before, enqueued again now

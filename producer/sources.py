@@ -25,48 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from producer import arrow_sources  # imports pyarrow (and datasets) only when a reader runs
+from producer.source_rows import CHUNK, HF_PREFIX, SourceError, SourceItem, SourceRow, permutation
 from shared.config import DatasetConfig
 from shared.errors import ConfigError
+from shared.json_kind import kind
 
 if TYPE_CHECKING:
     import numpy as np
 
-HF_PREFIX = "hf://"
-CHUNK = 1 << 20          # bytes read at a time while scanning files
-TAKE_WINDOW = 1024       # rows fetched per random-access batch when shuffled
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
-
-
-@dataclass(frozen=True)
-class SourceRow:
-    line: int
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class SourceError:
-    line: int
-    reason: str
-
-
-SourceItem = SourceRow | SourceError
-
-
-def kind(value: Any) -> str:
-    """A JSON value's type as a person says it: 'a string', 'an array', 'null'."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list | tuple):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return f"a {type(value).__name__}"
 
 
 def _first_byte(path: Path) -> bytes:
@@ -112,15 +80,7 @@ def iter_rows(ds: DatasetConfig, fmt: str) -> Generator[SourceItem, None, None]:
         return _jsonl(ds)
     if fmt == "json":
         return _json_array(ds)
-    from producer import arrow_sources  # pyarrow (and datasets) only when needed
-
     return arrow_sources.read_parquet(ds) if fmt == "parquet" else arrow_sources.read_hf(ds)
-
-
-def permutation(n: int, seed: int) -> np.ndarray:
-    import numpy as np
-
-    return np.random.default_rng(seed).permutation(n)
 
 
 # ---- JSONL ---------------------------------------------------------------------------------
@@ -159,7 +119,7 @@ def _line_offsets(path: str) -> np.ndarray:
     return offsets[:-1] if offsets[-1] == pos else offsets  # a final newline starts no line
 
 
-def _jsonl(ds: DatasetConfig) -> Iterator[SourceItem]:
+def _jsonl(ds: DatasetConfig) -> Generator[SourceItem, None, None]:
     with open(ds.path, "rb") as fh:
         if not ds.shuffle:
             for line_no, raw in enumerate(fh, start=1):
@@ -274,7 +234,7 @@ def _read_span(fh: Any, span: _Span, index: int) -> SourceItem:
     return SourceRow(index, row)
 
 
-def _json_array(ds: DatasetConfig) -> Iterator[SourceItem]:
+def _json_array(ds: DatasetConfig) -> Generator[SourceItem, None, None]:
     with open(ds.path, "rb") as fh:
         if not ds.shuffle:
             for n, span in enumerate(_array_spans(ds.path), start=1):

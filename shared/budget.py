@@ -16,6 +16,8 @@ import redis
 
 from shared import keys
 from shared.config import DatasetConfig
+from shared.redis_conn import dataset_names as dataset_names  # re-exported: budget.dataset_names callers
+from shared.redis_conn import text as _text
 from shared.scripts import ScriptCall
 
 
@@ -59,10 +61,6 @@ class Release:
 class Reservation:
     status: Admission
     tokens: int
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0) -> ScriptCall[Reservation]:
@@ -179,7 +177,3 @@ def dataset_state(client: redis.Redis, name: str) -> DatasetState:
     pipe = client.pipeline(transaction=False)
     queue_state_commands(pipe, name)
     return parse_state(name, pipe.execute())
-
-
-def dataset_names(client: redis.Redis) -> list[str]:
-    return sorted(_text(n) for n in client.smembers(keys.DATASETS))

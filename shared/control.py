@@ -17,6 +17,7 @@ from rq.serializers import JSONSerializer
 
 from shared import budget, keys
 from shared.errors import BudgetqError
+from shared.redis_conn import dataset_names
 from shared.scripts import run
 
 
@@ -36,7 +37,7 @@ def log_action(conn: redis.Redis, action: str, dataset: str, old: object = "", n
 
 def _require(conn: redis.Redis, dataset: str) -> None:
     if not conn.sismember(keys.DATASETS, dataset):
-        known = ", ".join(budget.dataset_names(conn)) or "none"
+        known = ", ".join(dataset_names(conn)) or "none"
         raise BudgetqError(f"dataset {dataset!r} is not registered in this Redis (registered: {known})")
 
 

@@ -26,6 +26,8 @@ import math
 import re
 from typing import Any
 
+from shared.json_kind import kind
+
 NAME_MAX = 64
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_]+(?:-[A-Za-z0-9_]+)*")
 READABLE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,99}")
@@ -59,26 +61,14 @@ def check_name(name: str) -> str:
     return name
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, list | tuple):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return f"a {type(value).__name__}"
-
-
 def prompt_id(value: Any, field: str) -> str:
     """The string form of an id field's value; IdError naming the field, type and value."""
     if isinstance(value, str):
         if value == "":
             raise IdError(f"id field {field!r} is empty")
-        if _SURROGATE.search(value):
+        if lone := _SURROGATE.search(value):
             # json.loads accepts "\ud800"; no UTF-8 file, JSON row or HTTP body can hold it.
-            raise IdError(f"id field {field!r} holds a lone surrogate ({_SURROGATE.search(value).group()!a}), "
+            raise IdError(f"id field {field!r} holds a lone surrogate ({lone.group()!a}), "
                           "which UTF-8 cannot encode")
         return value
     if isinstance(value, bool):
@@ -93,7 +83,7 @@ def prompt_id(value: Any, field: str) -> str:
         return prompt_id(value.item(), field)
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:60] + "..."
-    raise IdError(f"id field {field!r} is {_kind(value)} ({shown}), not a string or integer")
+    raise IdError(f"id field {field!r} is {kind(value)} ({shown}), not a string or integer")
 
 
 def _utf8(text: str) -> bytes:

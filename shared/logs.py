@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
@@ -77,7 +78,7 @@ def format_exception(exc_info: Any) -> str:
                 continue
             stack.add(id(t))
             if isinstance(getattr(t, "_str", None), str):
-                t._str = escape(t._str)
+                t._str = escape(t._str)  # type: ignore[attr-defined]  # CPython keeps the message there
             todo += [c for c in (t.__cause__, t.__context__) if c is not None]
             todo += list(getattr(t, "exceptions", None) or [])
         return "".join(te.format()).rstrip("\n")
@@ -91,6 +92,12 @@ def register_secret(value: str | None) -> None:
         return
     with _lock:
         _secrets.update({value, quote(value, safe=""), unquote(value)})
+
+
+def forget_secrets() -> None:
+    """Unregister every secret (tests: one test's secrets must not mask the next one's output)."""
+    with _lock:
+        _secrets.clear()
 
 
 def url_password(url: str | None) -> str | None:
@@ -123,12 +130,12 @@ def redact(text: str) -> str:
     return text
 
 
-def register_env_secrets(env: dict[str, str] | None = None) -> None:
-    env = os.environ if env is None else env
+def register_env_secrets(env: Mapping[str, str] | None = None) -> None:
+    source = os.environ if env is None else env
     for var in SECRET_ENV:
-        register_secret(env.get(var))
+        register_secret(source.get(var))
     for var in URL_ENV:
-        register_secret(url_password(env.get(var)))
+        register_secret(url_password(source.get(var)))
 
 
 def register_config_secrets(cfg: Any) -> None:

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 import redis
@@ -31,6 +31,7 @@ import redis.asyncio.retry as aretry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from shared import keys
 from shared.errors import BudgetqError, ConfigError
 from shared.retry import REDIS_DOWN, backoff_s
 
@@ -47,13 +48,13 @@ def _retryable(exc: Exception) -> bool:
 
 
 class _SyncRetry(Retry):
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         return super().call_with_retry(do, fail, lambda e: _retryable(e) and (is_retryable is None or
                                                                            is_retryable(e)), with_failure_count)
 
 
 class _AsyncRetry(aretry.Retry):
-    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         return await super().call_with_retry(do, fail, lambda e: _retryable(e) and (is_retryable is None or
                                                                                  is_retryable(e)),
                                              with_failure_count)
@@ -123,6 +124,25 @@ def aconnect(url: str, max_connections: int = 32) -> aredis.Redis:
         url, max_connections=max_connections, timeout=30, health_check_interval=15,
         retry=_AsyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON), **_timeouts(url))
     return aredis.Redis(connection_pool=pool)
+
+
+# XRANGE / XREVRANGE replies of a client without decode_responses (every client of ours): redis-py
+# types them loosely (str | bytes | None), this is what they are.
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+def stream_entries(reply: Any) -> StreamEntries:
+    return cast(StreamEntries, reply or [])
+
+
+def text(value: Any) -> str:
+    """A Redis reply (bytes from a client without decode_responses) as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def dataset_names(conn: redis.Redis) -> list[str]:
+    """The registered datasets (every run's, not only this config's), sorted."""
+    return sorted(text(n) for n in conn.smembers(keys.DATASETS))
 
 
 def describe(url: str) -> str:

@@ -22,7 +22,9 @@ from rq.registry import FailedJobRegistry
 
 from shared import keys
 from shared.budget import DatasetState, dataset_state
+from shared.config import Config
 from shared.logs import redact_url
+from shared.redis_conn import dataset_names, describe, stream_entries, text
 
 SCHEMA_VERSION = 1
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
@@ -35,16 +37,12 @@ COUNT_FIELDS = ("committed", "truncated", "skipped", "failed", "invalid", "dupli
 TOKEN_FIELDS = {"sum_tokens": "counted", "generated_tokens": "generated", "wasted_tokens": "wasted"}
 
 
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _num(v: Any, kind: type = int, default: Any = 0) -> Any:
     """A number from a Redis field written by another process; a missing or bad one -> default."""
     if v is None:
         return default
     try:
-        x = float(_text(v))
+        x = float(text(v))
     except ValueError:
         return default
     if math.isnan(x) or math.isinf(x):
@@ -52,15 +50,22 @@ def _num(v: Any, kind: type = int, default: Any = 0) -> Any:
     return int(x) if kind is int else x
 
 
-def redis_location(url: str) -> tuple[str, bool]:
-    """``host:port/db`` of a Redis URL (never the user or password), and whether it uses TLS."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return parts.path, False
-    db = parts.path.lstrip("/") or "0"
-    host = parts.hostname or "localhost"
-    port = parts.port or 6379
-    return f"{host}:{port}/{db}", parts.scheme == "rediss"
+def configured_server_urls(cfg: Config) -> list[str]:
+    """The SGLang URLs to list even before a worker reports them: only if someone set them (the
+    built-in default would show a server nobody runs)."""
+    return cfg.server.urls if "server" in cfg.model_fields_set else []
+
+
+def format_duration(s: float | None) -> str:
+    """``42s``, ``3m05s``, ``2h07m``; ``-`` for unknown (an ETA with no rate yet)."""
+    if s is None:
+        return "-"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def server_now(conn: redis.Redis) -> float:
@@ -86,7 +91,7 @@ def _state(st: DatasetState, queued: int) -> str:
 def _rate(st: DatasetState, buckets: dict[int, int], now: float) -> float:
     """Tokens per second over the last TOK_S_WINDOW_S (from this run's registration on, if later)."""
     start = _bucket(now) - TOK_S_WINDOW_S
-    since = start
+    since: float = start
     if st.registered_at is not None and st.registered_at > start:
         start, since = _bucket(st.registered_at), st.registered_at
     tokens = sum(v for t, v in buckets.items() if t >= start)
@@ -153,7 +158,7 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
 
 def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
     """Live workers (a name whose hash has expired is a dead worker and is left out)."""
-    names = sorted(_text(n) for n in conn.smembers(keys.WORKERS))
+    names = sorted(text(n) for n in conn.smembers(keys.WORKERS))
     pipe = conn.pipeline(transaction=False)
     for n in names:
         pipe.hgetall(keys.worker_key(n))
@@ -161,7 +166,7 @@ def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
     for name, raw in zip(names, pipe.execute(), strict=True):
         if not raw:
             continue
-        h = {_text(k): _text(v) for k, v in raw.items()}
+        h = {text(k): text(v) for k, v in raw.items()}
         try:
             eps = json.loads(h.get("endpoints") or "{}")
         except ValueError:
@@ -216,30 +221,25 @@ def endpoint_summary(workers: list[dict[str, Any]], configured: Iterable[str] = 
 def control_entries(conn: redis.Redis, n: int = CONTROL_ENTRIES) -> list[dict[str, Any]]:
     """The last ``n`` operator actions, newest first."""
     out = []
-    for eid, fields in conn.xrevrange(keys.CONTROL_LOG, count=n):
-        f = {_text(k): _text(v) for k, v in fields.items()}
-        out.append({"id": _text(eid), "ts": _num(f.get("ts"), float, None), "who": f.get("who"),
+    for eid, fields in stream_entries(conn.xrevrange(keys.CONTROL_LOG, count=n)):
+        f = {text(k): text(v) for k, v in fields.items()}
+        out.append({"id": text(eid), "ts": _num(f.get("ts"), float, None), "who": f.get("who"),
                     "action": f.get("action"), "dataset": f.get("dataset"), "old": f.get("old"),
                     "new": f.get("new")})
     return out
-
-
-def registered_datasets(conn: redis.Redis) -> list[str]:
-    return sorted(_text(n) for n in conn.smembers(keys.DATASETS))
 
 
 def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
              history_s: int = HISTORY_S, control_n: int = CONTROL_ENTRIES) -> dict[str, Any]:
     """Everything an operator watches, as one JSON-able dict (schema: docs/operations.md)."""
     now = server_now(conn)
-    datasets = dataset_snapshots(conn, registered_datasets(conn), now, history_s)
+    datasets = dataset_snapshots(conn, dataset_names(conn), now, history_s)
     workers = worker_snapshots(conn, now)
-    location, tls = redis_location(redis_url)
     return {
         "schema": SCHEMA_VERSION,
         "generated_at": round(now, 3),
-        "redis": location,
-        "redis_tls": tls,
+        "redis": describe(redis_url),  # host:port/db, never the user or password
+        "redis_tls": urlsplit(redis_url).scheme == "rediss",
         "history_s": history_s,
         "totals": {
             "budget": sum(d["budget"] for d in datasets),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -154,7 +155,7 @@ def _output(rec: RequestRecord, tokens: int, cap: int, final: bool) -> dict:
                 "meta_info": {"id": rec.rid, "finish_reason": finish_json(rec, cap), "weight_version": WEIGHT_VERSION,
                               "e2e_latency": end - rec.arrived, "completion_tokens": tokens}}
     # tokenizer_manager._handle_batch_output's keys, in its order (no dp_rank: one DP rank).
-    meta = {"id": rec.rid, "finish_reason": finish_json(rec, cap) if final else None,
+    meta: dict[str, Any] = {"id": rec.rid, "finish_reason": finish_json(rec, cap) if final else None,
             "prompt_tokens": rec.prompt_tokens, "weight_version": WEIGHT_VERSION, "num_retractions": 0,
             "reasoning_tokens": min(tokens, rec.reasoning_target), "completion_tokens": tokens, "cached_tokens": 0}
     if final:

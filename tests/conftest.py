@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import redis
 
-from budgetq.localhost import LocalRedis, free_port, wait_http
+from shared.logs import forget_secrets
+from simulator.local import LocalRedis, LocalSim
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _forget_secrets():
+    """shared.logs keeps registered secrets in a process-wide set: empty it after every test."""
+    yield
+    forget_secrets()
 
 
 @pytest.fixture(scope="session")
@@ -38,18 +43,12 @@ def conn(redis_url) -> redis.Redis:
 @pytest.fixture
 def sim_factory():
     """Start `budgetq sim` subprocesses; returns their base URLs; stops them after the test."""
-    procs: list[subprocess.Popen] = []
+    sims: list[LocalSim] = []
 
     def start(*extra: str) -> str:
-        port = free_port()
-        p = subprocess.Popen([sys.executable, "-m", "budgetq.cli", "--log-level", "WARNING", "sim",
-                              "--port", str(port), *extra], cwd=ROOT, env=dict(os.environ))
-        procs.append(p)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health")
-        return url
+        sims.append(LocalSim(*extra, cwd=ROOT))
+        return sims[-1].url
 
     yield start
-    for p in procs:
-        p.terminate()
-        p.wait(10)
+    for s in sims:
+        s.stop()

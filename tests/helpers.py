@@ -1,14 +1,22 @@
-"""Helpers shared by the integration tests: configs, processes, and the invariants of DESIGN.md s5."""
+"""The one helper module of the integration tests: datasets, configs, budgetq processes, HTTP, and
+the invariants of DESIGN.md s5 (``check_invariants``). Import it as ``tests.helpers``.
+
+Fixtures (private Redis, simulators) are in conftest.py; ``LocalSim``/``LocalRedis`` in simulator/local.py.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -20,7 +28,10 @@ from shared import keys
 from shared.identity import job_id
 
 ROOT = Path(__file__).resolve().parent.parent
-PY = [sys.executable, "-m", "budgetq.cli", "--log-level", "WARNING"]
+CLI = [sys.executable, "-m", "budgetq.cli"]
+PY = [*CLI, "--log-level", "WARNING"]
+# What the ops tests (status, monitor, secrets) add to a config: progress as log lines they can read.
+LIVE = {"worker": {"concurrency": 16}, "producer": {"progress": "log", "progress_interval_s": 0.5}}
 
 
 def write_dataset(path: Path, n: int, start: int = 0, bad_lines: dict[int, str] | None = None) -> list[str]:
@@ -33,7 +44,19 @@ def write_dataset(path: Path, n: int, start: int = 0, bad_lines: dict[int, str] 
     return ids
 
 
-def write_config(tmp_path: Path, redis_url: str, sims: list[str], datasets: list[dict], **extra) -> Path:
+def three_datasets(tmp_path: Path) -> list[dict]:
+    """A soft dataset that reaches its budget, a strict one, and one that runs out of rows."""
+    for name, n in (("A1", 300), ("B2", 300), ("C1", 25)):
+        write_dataset(tmp_path / f"{name}.jsonl", n)
+    common = {"id_field": "id", "sampling": {"max_tokens": 600}, "prior_mean_tokens": 100}
+    return [{"name": "A1", "path": str(tmp_path / "A1.jsonl"), "budget": "6k", **common},
+            {"name": "B2", "path": str(tmp_path / "B2.jsonl"), "budget": "5k", "mode": "strict", **common},
+            {"name": "C1", "path": str(tmp_path / "C1.jsonl"), "budget": "1M", **common}]
+
+
+def write_config(tmp_path: Path, redis_url: str, sims: str | list[str], datasets: list[dict], **extra) -> Path:
+    """``tmp_path/cfg.yaml``; ``sims`` is one simulator URL or several; ``extra`` adds top-level sections."""
+    sims = [sims] if isinstance(sims, str) else sims
     cfg = {"redis_url": redis_url, "server": {"urls": sims, **extra.pop("server", {})},
            "output_dir": str(tmp_path / "out"), "datasets": datasets, **extra}
     path = tmp_path / "cfg.yaml"
@@ -52,9 +75,9 @@ class Procs:
 
     def start(self, *args: str) -> subprocess.Popen:
         self._n += 1
-        log = open(self.log_dir / f"{args[0]}-{self._n}.log", "w")
-        p = subprocess.Popen([*PY, *args, "-c", str(self.cfg)], cwd=ROOT, env=dict(os.environ),
-                             stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_dir / f"{args[0]}-{self._n}.log", "w") as log:  # the child keeps its own copy
+            p = subprocess.Popen([*PY, *args, "-c", str(self.cfg)], cwd=ROOT, env=dict(os.environ),
+                                 stdout=log, stderr=subprocess.STDOUT)
         p.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(p)
         return p
@@ -97,6 +120,18 @@ def sim_get(sim: str, path: str):
         return json.loads(resp.read())
 
 
+def http_get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str, str]:
+    """(status, content type, body) of a GET, with optional HTTP basic auth; errors are answers too."""
+    req = urllib.request.Request(url)
+    if auth:
+        req.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()
+
+
 def rows(path: Path) -> list[dict]:
     """The JSON lines of ``path``: split on "\n" only (splitlines() also splits inside a row whose
     text holds U+0085 or U+2028, which JSON writes raw)."""
@@ -134,18 +169,6 @@ def check_invariants(conn: redis.Redis, out: Path, ds: str, valid_ids: list[str]
     return {"used": used, "rows": len(kept), **states}
 
 
-def start_sim(port: int, *args: str) -> subprocess.Popen:
-    p = subprocess.Popen([*PY, "sim", "--port", str(port), *args], cwd=ROOT, env=dict(os.environ))
-    wait_http(f"http://127.0.0.1:{port}/health")
-    return p
-
-
-def wait_http(url: str, timeout_s: float = 15.0) -> None:
-    from budgetq.localhost import wait_http as _wait
-
-    _wait(url, timeout_s)
-
-
 def holders(conn: redis.Redis, ds: str, pid: int) -> set[str]:
     """Job ids a worker process (by pid) holds in the started registry right now."""
     held = set()
@@ -168,3 +191,48 @@ def run_to_completion(cfg: Path, log_dir: Path, workers: int = 1, timeout_s: flo
     finally:
         procs.stop_all()
     return procs
+
+
+@dataclass
+class Run:
+    producer: subprocess.CompletedProcess
+    out: Path
+    worker_logs: list[str] = field(default_factory=list)
+    during: list = field(default_factory=list)
+    worker_rcs: list[int] = field(default_factory=list)
+
+
+def live_run(cfg_path: Path, tmp_path: Path, workers: list[list[str]] | None = None, producer_args: Sequence[str] = (),
+             env: dict[str, str] | None = None, during=None, timeout_s: float = 120) -> Run:
+    """Start workers (each a list of global CLI flags), run the producer to completion (its output
+    captured), stop the workers (SIGTERM) and keep their logs and exit codes.
+
+    ``during(proc)`` is called repeatedly while the producer runs; its results are kept in order.
+    """
+    env = dict(os.environ, **(env or {}))
+    workers = workers if workers is not None else [["--log-level", "WARNING"]]
+    procs, logs = [], []
+    for i, flags in enumerate(workers):
+        log = open(tmp_path / f"worker{i}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([*CLI, *flags, "worker", "-c", str(cfg_path)], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    seen = []
+    try:
+        prod = subprocess.Popen([*CLI, *producer_args, "produce", "-c", str(cfg_path)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if during is not None:
+            while prod.poll() is None:
+                seen.append(during(prod))
+        stdout, stderr = prod.communicate(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.terminate()
+        rcs = [p.wait(30) for p in procs]
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    return Run(subprocess.CompletedProcess(prod.args, prod.returncode, stdout, stderr), tmp_path / "out",
+               texts, seen, rcs)

@@ -124,7 +124,7 @@ def test_database_out_of_range_is_a_one_line_error(tmp_path, redis_url):
 
 
 def test_password_protected_redis_without_the_password_says_so(tmp_path):
-    from budgetq.localhost import LocalRedis
+    from simulator.local import LocalRedis
 
     server = LocalRedis(password="pw-for-the-test")
     try:

@@ -10,11 +10,11 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from budgetq.localhost import free_port
 from shared import keys
 from shared.budget import register_dataset
 from shared.config import DatasetConfig
 from shared.schema import JobPayload, Message
+from simulator.local import free_port
 from tests.helpers import PY, ROOT, check_invariants, run_to_completion, sim_get, write_config, write_dataset
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}

@@ -10,10 +10,8 @@ import tempfile
 from html.parser import HTMLParser
 
 import pytest
-from _live import CLI, ROOT, http_get, rows, run, three_datasets, write_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from budgetq.localhost import free_port, wait_http
 from producer.monitor import MonitorThread, check_bind
 from shared import budget, keys
 from shared.budget import register_dataset
@@ -21,6 +19,8 @@ from shared.config import Config, DatasetConfig, MonitorConfig
 from shared.errors import ConfigError
 from shared.scripts import run as run_script
 from shared.status import COUNT_FIELDS
+from simulator.local import free_port, wait_http
+from tests.helpers import CLI, LIVE, ROOT, http_get, live_run, rows, three_datasets, write_config
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -139,8 +139,8 @@ def _chromium() -> str:
 def test_page_renders_a_live_run_in_headless_chromium(tmp_path, redis_url, conn, sim_factory):
     browser = _chromium()
     sim = sim_factory("--speedup", "200", "--seed", "2", "--length-mean", "150")
-    cfg = write_config(tmp_path, redis_url, sim, three_datasets(tmp_path))
-    live = run(cfg, tmp_path)
+    cfg = write_config(tmp_path, redis_url, sim, three_datasets(tmp_path), **LIVE)
+    live = live_run(cfg, tmp_path)
     assert live.producer.returncode == 0, live.producer.stderr
     port = free_port()
     mon = subprocess.Popen([*CLI, "--log-level", "WARNING", "monitor", "-c", str(cfg), "--port", str(port)],

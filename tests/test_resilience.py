@@ -11,9 +11,9 @@ import redis
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from budgetq.localhost import LocalRedis, free_port
 from shared import keys
-from tests.helpers import Procs, check_invariants, holders, sim_get, start_sim, wait_for, write_config, write_dataset
+from simulator.local import LocalRedis, LocalSim, free_port
+from tests.helpers import Procs, check_invariants, holders, sim_get, wait_for, write_config, write_dataset
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 
@@ -179,7 +179,7 @@ def test_redis_restarted_mid_run(tmp_path, sim_factory):
 def test_two_endpoints_one_killed_then_readmitted(tmp_path, redis_url, conn):
     ports = [free_port(), free_port()]
     args = ("--speedup", "1", "--length-mean", "200", "--seed", "3")  # ~0.5 s requests, ~15 s run
-    sims = [start_sim(p, *args) for p in ports]
+    sims = [LocalSim(*args, port=p) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     ids, specs = _datasets(tmp_path, ["D"], n=600, budget="100k")
     cfg = write_config(tmp_path, redis_url, urls, specs, worker={"concurrency": 16, **FAST},
@@ -189,17 +189,15 @@ def test_two_endpoints_one_killed_then_readmitted(tmp_path, redis_url, conn):
     procs.worker()
     try:
         wait_for(lambda: len(sim_get(urls[1], "/sim/requests")) > 10, 30, "requests on both endpoints")
-        sims[1].send_signal(signal.SIGKILL)
-        sims[1].wait()
+        sims[1].kill()
         time.sleep(1.5)
-        sims[1] = start_sim(ports[1], *args)  # back on the same port, with empty records
+        sims[1].start()  # back on the same port, with empty records
         wait_for(lambda: len(sim_get(urls[1], "/sim/requests")) > 5, 30, "the endpoint to be re-admitted")
         assert producer.wait(120) == 0, procs.log(producer)
     finally:
         procs.stop_all()
         for s in sims:
-            s.terminate()
-            s.wait(10)
+            s.stop()
     log = "".join(procs.log(p) for p in procs.procs)
     assert "taken out" in log and "back in rotation" in log
     states = check_invariants(conn, tmp_path / "out", "D", ids["D"])
@@ -209,7 +207,7 @@ def test_two_endpoints_one_killed_then_readmitted(tmp_path, redis_url, conn):
 def test_all_endpoints_down_workers_wait_instead_of_failing_jobs(tmp_path, redis_url, conn):
     port = free_port()
     args = ("--speedup", "10", "--length-mean", "200")
-    sim = start_sim(port, *args)
+    sim = LocalSim(*args, port=port)
     url = f"http://127.0.0.1:{port}"
     ids, specs = _datasets(tmp_path, ["D"], n=150, budget="1M")
     cfg = write_config(tmp_path, redis_url, [url], specs, worker={"concurrency": 8, **FAST},
@@ -220,16 +218,14 @@ def test_all_endpoints_down_workers_wait_instead_of_failing_jobs(tmp_path, redis
     w = procs.worker()
     try:
         wait_for(lambda: int(conn.hget(keys.stats_key("D"), "committed") or 0) > 10, 30, "some results")
-        sim.send_signal(signal.SIGKILL)
-        sim.wait()
+        sim.kill()
         wait_for(lambda: "all SGLang endpoints are down" in procs.log(w), 20, "the worker to say so")
         time.sleep(2.0)  # far more than 3 attempts' worth of backoff
-        sim = start_sim(port, *args)
+        sim.start()
         assert producer.wait(120) == 0, procs.log(producer)
     finally:
         procs.stop_all()
-        sim.terminate()
-        sim.wait(10)
+        sim.stop()
     states = check_invariants(conn, tmp_path / "out", "D", ids["D"])
     assert states["failed"] == 0 and states["committed"] == 150
 

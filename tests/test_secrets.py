@@ -16,10 +16,10 @@ import zlib
 
 import pytest
 import redis
-from _live import CLI, ROOT, http_get, run, three_datasets, write_config
 
-from budgetq.localhost import free_port, wait_http
 from shared import logs
+from simulator.local import free_port, wait_http
+from tests.helpers import CLI, LIVE, ROOT, http_get, live_run, three_datasets, write_config
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +73,11 @@ def test_no_secret_in_logs_status_monitor_or_redis(tmp_path, secure_redis, sim_f
     admin = secure_redis["admin"]
     admin.flushall()  # our own server
     sim = sim_factory("--speedup", "200", "--length-mean", "120")
-    cfg = write_config(tmp_path, "redis://placeholder:6379/0", sim, three_datasets(tmp_path))
+    cfg = write_config(tmp_path, "redis://placeholder:6379/0", sim, three_datasets(tmp_path), **LIVE)
     env = {"BUDGETQ_REDIS_URL": secure_redis["acl_url"], "BUDGETQ_API_KEY": api_key,
            "BUDGETQ_MONITOR_USERNAME": "ops", "BUDGETQ_MONITOR_PASSWORD": mon_pw}
     debug = ["--log-level", "DEBUG"]
-    live = run(cfg, tmp_path, workers=[debug, [*debug, "--log-format", "json"]],
+    live = live_run(cfg, tmp_path, workers=[debug, [*debug, "--log-format", "json"]],
                producer_args=[*debug, "--log-format", "json"], env=env)
     assert live.producer.returncode == 0, live.producer.stderr
     texts = {"worker text log": live.worker_logs[0], "worker json log": live.worker_logs[1],
@@ -119,7 +119,7 @@ def test_no_secret_in_logs_status_monitor_or_redis(tmp_path, secure_redis, sim_f
     assert '"dataset": "A1"' in texts["monitor /api/status"] and "budgetq_used_tokens" in texts["monitor /metrics"]
 
     dump = _redis_dump(admin)
-    assert "rq:job:A1--p1'" in dump and '"content": "question 1"' in dump  # job payloads, decompressed
+    assert "rq:job:A1--p1'" in dump and '"content": "question p1"' in dump  # job payloads, decompressed
     texts["redis"] = dump
 
     for name, text in texts.items():

@@ -18,12 +18,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from budgetq.localhost import free_port
 from shared import keys
 from shared.config import ServerConfig, load_config
 from shared.errors import FatalRequestError, RetryableRequestError
 from shared.sampling import NEUTRAL, generation_defaults, resolve, resolve_datasets
 from shared.schema import JobPayload, Message, SamplingParams
+from simulator.local import free_port
 from worker.sglang_client import SGLangClient, attempt_rid, build_request, job_id_of_rid
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 import redis
-from _live import CLI, ROOT, rows, run, three_datasets, write_config
 from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from budgetq.localhost import free_port
 from shared import budget as bq_budget
 from shared import keys
 from shared.budget import register_dataset
 from shared.config import DatasetConfig
 from shared.scripts import run as run_script
 from shared.status import COUNT_FIELDS, snapshot
+from simulator.local import free_port
+from tests.helpers import CLI, LIVE, ROOT, live_run, rows, three_datasets, write_config
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -144,13 +144,13 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
 
 def test_status_json_against_a_live_run(tmp_path, redis_url, conn, sim_factory):
     sim = sim_factory("--speedup", "100", "--seed", "5", "--length-mean", "150")
-    cfg = write_config(tmp_path, redis_url, sim, three_datasets(tmp_path))
+    cfg = write_config(tmp_path, redis_url, sim, three_datasets(tmp_path), **LIVE)
 
     def during(_proc):
         out = _cli("status", "-c", str(cfg), "--json")
         return json.loads(out.stdout) if out.returncode == 0 else None
 
-    live = run(cfg, tmp_path, during=during)
+    live = live_run(cfg, tmp_path, during=during)
     assert live.producer.returncode == 0, live.producer.stderr
     final = json.loads(_cli("status", "-c", str(cfg), "--json").stdout)
     seen = [s for s in live.during if s is not None and s["datasets"]]

@@ -1,8 +1,8 @@
 """Measure the simulator itself: requests/s in --instant mode, and its CPU while holding long requests.
 
-    python -m simulator.loadtest instant --clients 64 --seconds 10 [--client-procs 2]
-    python -m simulator.loadtest hold --requests 256 --seconds 10 [--stream] [--chat]
-    python -m simulator.loadtest loop --clients 256 --seconds 10 --speedup 25
+    python bench/loadtest.py instant --clients 64 --seconds 10 [--client-procs 2]
+    python bench/loadtest.py hold --requests 256 --seconds 10 [--stream] [--chat]
+    python bench/loadtest.py loop --clients 256 --seconds 10 --speedup 25
 
 Each mode starts its own `budgetq sim` subprocess on a free port and reads that process's CPU
 time from /proc (Linux), so the numbers are the server's, not the load generator's.
@@ -14,32 +14,11 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
-
-from budgetq.localhost import free_port, wait_http
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def start_sim(*flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "budgetq.cli", "--log-level", "WARNING", "sim", "--port",
-                             str(port), *flags], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health")
-    return proc, url
+from _common import Sim, cpu_s
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> dict:
@@ -79,18 +58,17 @@ def _hammer_proc(args: tuple[str, int, float]) -> int:
 
 
 def instant(clients: int, seconds: float, client_procs: int) -> dict:
-    proc, url = start_sim("--instant", "--length-mean", "16", "--keep-records", "1000")
+    sim = Sim("--instant", "--length-mean", "16", "--keep-records", "1000")
     try:
-        c0, t0 = cpu_s(proc.pid), time.monotonic()
+        c0, t0 = cpu_s(sim.pid), time.monotonic()
         per = [clients // client_procs + (i < clients % client_procs) for i in range(client_procs)]
         with multiprocessing.Pool(client_procs) as pool:
-            counts = pool.map(_hammer_proc, [(url, n, seconds) for n in per])
+            counts = pool.map(_hammer_proc, [(sim.url, n, seconds) for n in per])
         wall = time.monotonic() - t0
         return {"mode": "instant", "clients": clients, "client_procs": client_procs, "requests": sum(counts),
-                "req_per_s": round(sum(counts) / wall), "server_cpu_pct": round(100 * (cpu_s(proc.pid) - c0) / wall)}
+                "req_per_s": round(sum(counts) / wall), "server_cpu_pct": round(100 * (cpu_s(sim.pid) - c0) / wall)}
     finally:
-        proc.terminate()
-        proc.wait(10)
+        sim.close()
 
 
 # --- hold: CPU while N long requests decode ----------------------------------------------------------
@@ -122,13 +100,12 @@ async def _hold(url: str, n: int, seconds: float, stream: bool, pid: int, chat: 
 
 
 def hold(n: int, seconds: float, stream: bool, chat: bool) -> dict:
-    proc, url = start_sim("--max-running-requests", str(max(n, 1)), "--length-mean", "1e7", "--length-sigma", "0",
+    sim = Sim("--max-running-requests", str(max(n, 1)), "--length-mean", "1e7", "--length-sigma", "0",
                           "--context-length", str(10**8))
     try:
-        return asyncio.run(_hold(url, n, seconds, stream, proc.pid, chat))
+        return asyncio.run(_hold(sim.url, n, seconds, stream, sim.pid, chat))
     finally:
-        proc.terminate()
-        proc.wait(10)
+        sim.close()
 
 
 # --- loop: closed-loop clients, real lengths ---------------------------------------------------------
@@ -158,16 +135,15 @@ async def _loop(url: str, clients: int, seconds: float, pid: int) -> dict:
 
 
 def loop(clients: int, seconds: float, speedup: float) -> dict:
-    proc, url = start_sim("--max-running-requests", "256", "--speedup", str(speedup))
+    sim = Sim("--max-running-requests", "256", "--speedup", str(speedup))
     try:
-        return asyncio.run(_loop(url, clients, seconds, proc.pid))
+        return asyncio.run(_loop(sim.url, clients, seconds, sim.pid))
     finally:
-        proc.terminate()
-        proc.wait(10)
+        sim.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m simulator.loadtest", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python bench/loadtest.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="mode", required=True)
     sp = sub.add_parser("instant", help="requests/s with --instant")
     sp.add_argument("--clients", type=int, default=64)
