@@ -9,16 +9,26 @@ generated (worker/turns.py). One function so both sides render a conversation id
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 from shared.errors import ConfigError
 from shared.schema import Message
 
+# The worker loads from threads, several jobs at once; transformers' lazy imports are not
+# safe to race ("cannot import name 'AutoTokenizer'"), and one load is enough anyway.
+_LOADING = threading.Lock()
+
+
+def load_tokenizer(path: str) -> Any:
+    """AutoTokenizer for a local path or hub id, loaded once per process (thread-safe)."""
+    with _LOADING:
+        return _load(path)
+
 
 @functools.lru_cache(maxsize=8)
-def load_tokenizer(path: str) -> Any:
-    """AutoTokenizer for a local path or hub id, loaded once per process."""
+def _load(path: str) -> Any:
     try:
         from transformers import AutoTokenizer
 
