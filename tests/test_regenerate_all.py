@@ -21,9 +21,10 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from budgetq.localhost import free_port
+from producer.check import CheckReport, RedisCheck, check_dataset, format_report
 from producer.mapping import row_to_messages, split_turns
 from shared import budget, keys
-from shared.config import DatasetConfig, ServerConfig
+from shared.config import Config, DatasetConfig, ServerConfig
 from shared.identity import job_id
 from shared.schema import JobPayload, Message, SamplingParams
 from shared.scripts import run
@@ -380,3 +381,20 @@ def test_a_worker_killed_mid_conversation_loses_nothing_and_counts_nothing_twice
         per_job[key.split(".")[0]].add(int(key.split(".t")[1]) if ".t" in key else 1)
     for row in rows(tmp_path / "out" / "D.jsonl"):
         assert len(row["turns"]) == 4 and per_job[job_id("D", row["id"])] == {1, 2, 3, 4}
+
+
+def test_check_reports_requests_per_conversation(tmp_path):
+    n_turns = _write(tmp_path / "D.jsonl", 8)   # 1, 2, 3, 4, 1, 2, 3, 4 user turns
+    tok_path = make_tiny_tokenizer(tmp_path / "tok")
+    cfg = Config(server={"urls": ["http://127.0.0.1:1"], "tokenizer": tok_path},
+                 datasets=[_ds(tmp_path / "D.jsonl", prior_mean_tokens=100, count="total", budget=100_000)])
+    d = check_dataset(cfg.datasets[0], cfg)
+    d.finish(None)
+    assert d.requests is not None and (d.requests.total, d.requests.min, d.requests.max) == (20, 1, 4)
+    # prompt tokens are summed over each conversation's requests: more than the first request alone
+    assert d.prompt_tokens is not None and d.prompt_tokens.max > d.prompt_tokens.min * 4
+    per_conversation = 2.5 * 100 + round(d.prompt_tokens.mean)
+    assert d.responses_needed == -(-100_000 // per_conversation)
+    text = format_report(CheckReport([d], RedisCheck("redis://x", True), [], None))
+    assert "requests per conversation: mean 2.50, min 1, max 4 (20 in all" in text
+    assert sum(n_turns.values()) == 20
