@@ -26,12 +26,13 @@ from producer.mapping import row_to_messages, split_turns
 from shared import budget, keys
 from shared.config import Config, DatasetConfig, ServerConfig
 from shared.identity import job_id
+from shared.redis_conn import aconnect
 from shared.schema import JobPayload, Message, SamplingParams
 from shared.scripts import run
 from tests.helpers import Procs, check_invariants, holders, rows, run_to_completion, sim_get, wait_for, write_config
 from tests.tiny_tokenizer import make_tiny_tokenizer
 from worker import turns
-from worker.process import build_row
+from worker.process import build_row, run_one
 from worker.sglang_client import SGLangClient, attempt_rid, job_id_of_rid
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
@@ -398,3 +399,29 @@ def test_check_reports_requests_per_conversation(tmp_path):
     text = format_report(CheckReport([d], RedisCheck("redis://x", True), [], None))
     assert "requests per conversation: mean 2.50, min 1, max 4 (20 in all" in text
     assert sum(n_turns.values()) == 20
+
+
+def test_the_one_at_a_time_path_runs_a_conversation_too(redis_url, conn):
+    _register(conn, mode="strict", budget=10_000)
+    seen: list[dict] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "content": f"answer {len(seen)}"}}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 10 * len(seen)}})
+
+    async def body(client: SGLangClient) -> None:
+        aconn = aconnect(redis_url, max_connections=4)
+        try:
+            assert (await run_one(_payload(3), "D-c1", aconn, client))["status"] == "committed"
+        finally:
+            await aconn.aclose()
+
+    asyncio.run(_serve(chat, body))
+    assert len(seen) == 3 and int(conn.get(keys.used_key("D"))) == 60
+    [(_id, fields)] = conn.xrange(keys.results_key("D"))
+    row = json.loads(fields[b"row"])
+    assert [m["content"] for m in row["conversations"] if m["role"] == "assistant"] == ["answer 1", "answer 2",
+                                                                                         "answer 3"]
+    assert int(conn.hget(keys.stats_key("D"), "extra_requests")) == 2
