@@ -80,6 +80,8 @@ class DatasetCheck:
     filtered: int = 0
     prompt_chars: Stats = field(default_factory=Stats)
     prompt_tokens: Stats | None = None  # only with server.tokenizer
+    # regenerate: all: requests per conversation (one per user turn); None otherwise
+    requests: Stats | None = None
     read_s: float = 0.0
     # From Redis, if a run already started: tokens counted and prompts done.
     used: int | None = None
@@ -101,7 +103,11 @@ class DatasetCheck:
         """What the budget buys at prior_mean_tokens, whether the prompts last, and how long it takes."""
         self.unique = self.valid - self.duplicates
         left = max(0, self.budget - (self.used or 0))
-        per_response = self.prior_mean_tokens
+        # regenerate: all: a row is a conversation of several requests (prompt tokens are already
+        # summed over them)
+        per_row = self.requests.mean if self.requests is not None and self.requests.mean else 1.0
+        generated = per_row * self.prior_mean_tokens
+        per_response = generated
         if self.count == "total" and self.prompt_tokens is not None and self.prompt_tokens.mean:
             per_response += round(self.prompt_tokens.mean)  # prompt tokens count toward the budget too
         self.responses_needed = math.ceil(left / per_response)
@@ -109,13 +115,14 @@ class DatasetCheck:
         self.runs_out = available < self.responses_needed
         responses = min(available, self.responses_needed)
         # Generated (completion) tokens: what the servers' tok/s is measured in.
-        self.expected_tokens = responses * self.prior_mean_tokens
+        self.expected_tokens = round(responses * generated)
         self.est_s = self.expected_tokens / tok_s if tok_s else None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["prompt_chars"] = self.prompt_chars.as_dict()
         out["prompt_tokens"] = self.prompt_tokens.as_dict() if self.prompt_tokens else None
+        out["requests"] = self.requests.as_dict() if self.requests else None
         out["ok"] = self.ok
         return out
 
@@ -123,13 +130,17 @@ class DatasetCheck:
 def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
     """Stream ``ds`` through the producer's reader and count what a run would see."""
     out = DatasetCheck(ds.name, ds.path, ds.budget, ds.mode, ds.count, ds.prior_mean)
+    if ds.regenerate == "all":
+        out.requests = Stats()
     started = time.perf_counter()
     try:
         items = read_prompts(ds, cfg.server)
         for item in items:
             if isinstance(item, Prompt):
                 out.valid += 1
-                out.prompt_chars.add(prompt_chars(item.messages))
+                out.prompt_chars.add(prompt_chars(item.messages + (item.turns or [])))
+                if out.requests is not None:
+                    out.requests.add(1 + len(item.turns or []))
                 if item.prompt_tokens is not None:
                     if out.prompt_tokens is None:
                         out.prompt_tokens = Stats()
@@ -270,9 +281,15 @@ def format_report(r: CheckReport) -> str:
             lines.append(f"    invalid: {n:,} x {reason} (first at {d.first_at[reason]})")
         tokens = _stats(d.prompt_tokens) if d.prompt_tokens else "not counted (no server.tokenizer)"
         lines.append(f"  prompt chars: {_stats(d.prompt_chars)}; prompt tokens: {tokens}")
+        if d.requests is not None:
+            rq = d.requests
+            lines.append(f"  regenerate: all: requests per conversation: mean {rq.mean or 0:.2f}, min {rq.min}, "
+                         f"max {rq.max} ({rq.total:,} in all; prompt chars count each user turn once, prompt tokens "
+                         "are summed over the requests, before the model's answers join the context)")
         so_far = f"; {format_tokens(d.used)} used and {d.done:,} prompts done already" if d.used is not None else ""
         lines.append(f"  budget {format_tokens(d.budget)} ({d.mode}, count {d.count}){so_far}: "
-                     f"~{d.responses_needed:,} responses at prior_mean_tokens {d.prior_mean_tokens:,}")
+                     f"~{d.responses_needed:,} {'conversations' if d.requests else 'responses'} at "
+                     f"prior_mean_tokens {d.prior_mean_tokens:,}")
         if d.runs_out:
             lines.append(f"  RUNS OUT of prompts before its budget: {max(0, d.unique - (d.done or 0)):,} left, "
                          f"~{d.responses_needed:,} needed")

@@ -4,6 +4,7 @@ Every conversation (messages_field or conversations_field) goes through ``normal
 its roles are mapped. The rules, in order (docs/datasets.md, "Normalisation", lists them too):
 
 1. Trailing assistant turns are dropped: the server answers the last user turn again.
+   (regenerate: all then drops every assistant turn: producer/mapping.py ``split_turns``.)
 2. Empty system turns (blank content) are dropped; an empty user or assistant turn anywhere
    else makes the row invalid (SpecForge would train a bare end-of-turn token on it).
 3. System turns are kept only before the first user turn, merged into one (joined by a blank

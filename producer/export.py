@@ -49,6 +49,9 @@ SCHEMA = pa.schema([
     pa.field("model", pa.string(), nullable=False),
     pa.field("endpoint", pa.string(), nullable=False),
     pa.field("latency_s", pa.float64(), nullable=False),
+    # regenerate: all, several requests: each one's counts (null on a single-request row)
+    pa.field("turns", pa.list_(pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+                                          ("finish_reason", pa.string())]))),
 ])
 
 

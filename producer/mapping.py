@@ -1,8 +1,10 @@
 """Turn one raw row into the chat messages to send: a prompt field, a messages list or ShareGPT.
 
-A conversation that already holds assistant turns is regenerated from its last user turn:
-trailing assistant turns are dropped, earlier turns stay as context; irregular shapes are
-normalised or rejected by producer/conversations.py. A ``system_prompt`` from
+A conversation that already holds assistant turns is regenerated from its last user turn
+(regenerate: last): trailing assistant turns are dropped, earlier turns stay as context;
+irregular shapes are normalised or rejected by producer/conversations.py. With regenerate:
+all, ``split_turns`` then drops every assistant turn and splits the user turns into the first
+request and the turns asked after it. A ``system_prompt`` from
 the config is prepended unless the conversation already starts with a system turn.
 Errors are ValueErrors whose message names the field, the turn index and the value.
 """
@@ -83,6 +85,19 @@ def row_to_messages(ds: DatasetConfig, row: dict[str, Any]) -> list[Message]:
     if ds.system_prompt and msgs[0].role != "system":
         msgs.insert(0, Message(role="system", content=ds.system_prompt))
     return msgs
+
+
+def split_turns(msgs: list[Message]) -> tuple[list[Message], list[Message]]:
+    """regenerate: all: (the first request: [system], first user turn; the later user turns).
+
+    The dataset's assistant turns are dropped, the way SpecForge's
+    scripts/regenerate_train_data.py (``call_sglang``) builds its context: system turns kept,
+    assistant turns skipped, each user turn asked with the model's own answers before it.
+    ``msgs`` is already normalised, so user turns are never adjacent in the source.
+    """
+    head = [m for m in msgs if m.role == "system"]
+    users = [m for m in msgs if m.role == "user"]
+    return [*head, users[0]], users[1:]
 
 
 def prompt_chars(msgs: list[Message]) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from producer.arrow_sources import plain
 from producer.conversations import with_template_system
-from producer.mapping import prompt_chars, row_to_messages
+from producer.mapping import prompt_chars, row_to_messages, split_turns
 from producer.seen import SeenIds
 from producer.source_rows import SourceError, SourceItem
 from producer.sources import detect_format, iter_rows
@@ -41,7 +41,10 @@ class Prompt:
     # api=generate: the chat template applied locally; the server gets these ids.
     input_ids: list[int] | None = None
     # Known whenever a tokenizer is configured (generate, or chat with server.tokenizer).
+    # regenerate: all: summed over the conversation's requests, without the answers.
     prompt_tokens: int | None = None
+    # regenerate: all: the later user turns (JobPayload.turns); None: one request.
+    turns: list[Message] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,11 @@ def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, whe
     for i, m in enumerate(msgs):
         if has_surrogate(m.content):  # the worker could never write its output row
             return Invalid(line, f"{where}message {i} ({m.role}) holds a lone surrogate, which UTF-8 cannot encode")
-    chars = prompt_chars(msgs)
+    turns: list[Message] | None = None
+    if ds.regenerate == "all":
+        msgs, later = split_turns(msgs)
+        turns = later or None
+    chars = prompt_chars(msgs + (turns or []))
     if ds.min_prompt_chars is not None and chars < ds.min_prompt_chars:
         return Filtered(line, f"{where}prompt has {chars} characters, fewer than min_prompt_chars "
                               f"{ds.min_prompt_chars}")
@@ -130,13 +137,13 @@ def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, whe
         return Filtered(line, f"{where}prompt has {chars} characters, more than max_prompt_chars "
                               f"{ds.max_prompt_chars}")
     if encoder is None:
-        return Prompt(line, pid, msgs)
+        return Prompt(line, pid, msgs, turns=turns)
     # The template's own default system prompt, written in: renders the same, so any consumer sees it.
     msgs = with_template_system(msgs, encoder.tokenizer, encoder.kwargs)
     try:
-        ids = encoder.encode(msgs)
+        ids, total, last = encoder.conversation_tokens(msgs, turns or [])
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles must alternate)
         return Invalid(line, f"{where}chat template failed: {type(exc).__name__}: {exc}")
-    if (why := encoder.too_long(len(ids))) is not None:
+    if (why := encoder.too_long(last)) is not None:   # the last request's prompt, before any answer
         return Invalid(line, f"{where}{why}")
-    return Prompt(line, pid, msgs, ids if encoder.send_ids else None, len(ids))
+    return Prompt(line, pid, msgs, ids if encoder.send_ids else None, total, turns)

@@ -93,7 +93,7 @@ def _payload(ds: DatasetConfig, p: Prompt) -> dict:
     return JobPayload(id=p.id, dataset=ds.name, messages=p.messages, input_ids=p.input_ids,
                       prompt_tokens=p.prompt_tokens, sampling=ds.sampling,
                       chat_template_kwargs=ds.chat_template_kwargs or None,
-                      thinking=ds.thinking).model_dump(mode="json", exclude_none=True)
+                      thinking=ds.thinking, turns=p.turns).model_dump(mode="json", exclude_none=True)
 
 
 class Producer:

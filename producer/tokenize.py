@@ -7,28 +7,10 @@ instead of failing on the server.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
-from typing import Any
-
+from shared.chat_template import encode_chat, load_tokenizer
 from shared.config import DatasetConfig, ServerConfig
 from shared.errors import ConfigError
 from shared.schema import Message
-
-
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(path: str) -> Any:
-    """AutoTokenizer for a local path or hub id, loaded once per process."""
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, HF errors...
-        raise ConfigError(f"server.tokenizer: cannot load a tokenizer from {path!r}: {exc}") from exc
-    if not getattr(tok, "chat_template", None):
-        raise ConfigError(f"server.tokenizer: {path!r} has no chat template (tokenizer_config.json "
-                          "chat_template or chat_template.jinja)")
-    return tok
 
 
 class PromptEncoder:
@@ -56,11 +38,25 @@ class PromptEncoder:
 
     def encode(self, messages: list[Message]) -> list[int]:
         """The chat template applied with a generation prompt, as token ids."""
-        out = self.tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
-                                                 tokenize=True, **self.kwargs)
-        # transformers 5 returns a BatchEncoding by default, 4.x a plain list.
-        ids = out["input_ids"] if isinstance(out, Mapping) else out
-        return [int(i) for i in ids]
+        return encode_chat(self.tokenizer, messages, self.kwargs)
+
+    def conversation_tokens(self, first: list[Message], turns: list[Message]) -> tuple[list[int], int, int]:
+        """regenerate: all: (ids of the first request, prompt tokens of every request without
+        the answers, prompt tokens of the last request without the answers).
+
+        Request k's prompt is the first prompt, then per earlier turn the model's answer and the
+        next user turn. The answers are not known yet, so each stands as an empty assistant turn
+        here: what is left is exact, and the answers are added where they are known (the worker's
+        reservation adds an allowance per earlier answer, the server reports the real counts).
+        """
+        ids = self.encode(first)
+        total = last = len(ids)
+        ctx = list(first)
+        for turn in turns:
+            ctx += [Message(role="assistant", content=""), turn]
+            last = len(self.encode(ctx))
+            total += last
+        return ids, total, last
 
     def too_long(self, prompt_tokens: int) -> str | None:
         """Why a prompt of this many tokens cannot be sent, or None if it fits."""

@@ -63,18 +63,25 @@ class Reservation:
     tokens: int
 
 
-def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0) -> ScriptCall[Reservation]:
-    return ScriptCall("reserve", keys.budget_keys(ds), [job_id, max_tokens, prompt_tokens],
+def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0,
+            requests: int = 1) -> ScriptCall[Reservation]:
+    """``requests``: how many requests the job sends (regenerate: all, one per user turn)."""
+    return ScriptCall("reserve", keys.budget_keys(ds), [job_id, max_tokens, prompt_tokens, requests],
                       lambda r: Reservation(Admission(_text(r[0])), int(r[1])))
 
 
 def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, finish_reason: str,
-           row_json: str) -> ScriptCall[Outcome]:
-    """Count a result once; the dataset's conf decides what counts (count, keep)."""
-    return ScriptCall("commit", keys.budget_keys(ds),
-                      [job_id, prompt_tokens, completion_tokens, row_json, finish_reason,
-                       keys.HIST_BINS, keys.RATE_BUCKET_S, keys.RATE_KEEP_S],
-                      lambda r: Outcome(_text(r[0])))
+           row_json: str, lengths: list[int] | None = None) -> ScriptCall[Outcome]:
+    """Count a result once; the dataset's conf decides what counts (count, keep).
+
+    ``lengths``: each request's completion tokens when the result took several (regenerate:
+    all), so the length statistics stay per request.
+    """
+    args: list[Any] = [job_id, prompt_tokens, completion_tokens, row_json, finish_reason,
+                       keys.HIST_BINS, keys.RATE_BUCKET_S, keys.RATE_KEEP_S]
+    if lengths is not None and len(lengths) > 1:
+        args.append(",".join(str(n) for n in lengths))
+    return ScriptCall("commit", keys.budget_keys(ds), args, lambda r: Outcome(_text(r[0])))
 
 
 def release(ds: str, job_id: str, generated: int = 0, member: str | None = None) -> ScriptCall[Release]:

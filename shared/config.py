@@ -93,8 +93,10 @@ class DatasetConfig(_Strict):
     system_prompt: str | None = None
     # Multi-turn rows: `last` answers the last user turn again, earlier turns (the dataset's own
     # old answers included) stay as context, so train SpecForge with train_only_last_turn: true.
-    # (`all`, every assistant turn regenerated in order, is not implemented yet.)
-    regenerate: Literal["last"] = "last"
+    # `all` drops the dataset's answers and asks every user turn in order, each with the model's
+    # own earlier answers as context (one job, one row per conversation; worker/turns.py), so
+    # train with train_only_last_turn: false.
+    regenerate: Literal["last", "all"] = "last"
     id_field: str | None = None
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
     shuffle: bool = False

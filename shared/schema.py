@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 
 class Message(BaseModel):
@@ -59,6 +67,35 @@ class JobPayload(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     # Where a reasoning model's thinking goes in the output row (see DatasetConfig.thinking).
     thinking: Literal["separate", "inline", "drop"] = "separate"
+    # regenerate: all: the later user turns, asked one after another once ``messages`` (the
+    # system prompt and the first user turn) is answered, each with the model's own earlier
+    # answers as context (worker/turns.py). None: one request (a single turn or regenerate: last).
+    turns: list[Message] | None = None
+
+    @field_validator("turns")
+    @classmethod
+    def _user_turns(cls, v: list[Message] | None) -> list[Message] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("turns, when set, must hold at least one user turn (leave it out for one request)")
+        for i, m in enumerate(v):
+            if m.role != "user":
+                raise ValueError(f"turns[{i}] has role {m.role!r}: only user turns are asked")
+            if not m.content.strip():
+                raise ValueError(f"turns[{i}] is an empty user turn")
+        return v
+
+    @model_validator(mode="after")
+    def _first_request(self) -> JobPayload:
+        if self.turns is not None and (not self.messages or self.messages[-1].role != "user"):
+            raise ValueError("with turns, messages must end with the first user turn")
+        return self
+
+    @property
+    def requests(self) -> int:
+        """How many requests this job sends: one per user turn still to answer."""
+        return 1 + len(self.turns or ())
 
 
 class ResultRow(BaseModel):
@@ -69,6 +106,9 @@ class ResultRow(BaseModel):
     generated assistant message, which carries the server's reasoning as its own
     ``reasoning_content`` (thinking: separate; where SpecForge's ThinkingParser and chat
     templates read it), and ``status`` is "success". No top-level reasoning copy: one place only.
+    With regenerate: all every assistant message is generated (each with its own
+    reasoning_content), prompt_tokens and completion_tokens are summed over the requests,
+    finish_reason is the last request's, and ``turns`` lists each request's counts.
     """
 
     id: str
@@ -83,6 +123,17 @@ class ResultRow(BaseModel):
     model: str
     endpoint: str
     latency_s: float
+    # regenerate: all only (None otherwise, left out of the file): one entry per request, in
+    # order: {"prompt_tokens", "completion_tokens", "finish_reason"}.
+    turns: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_turns(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A single-request row is written as before: no ``turns`` key at all."""
+        out: dict[str, Any] = handler(self)
+        if out.get("turns", 0) is None:
+            del out["turns"]
+        return out
 
     @property
     def reasoning(self) -> str | None:

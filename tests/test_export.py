@@ -26,8 +26,9 @@ def result(i: int, reasoning: str | None = None) -> dict:
 
 
 def as_parquet(row: dict) -> dict:
-    """``row`` as Parquet gives it back: every turn has reasoning_content (null where absent)."""
-    return {**row, "conversations": [{"reasoning_content": None, **t} for t in row["conversations"]]}
+    """``row`` as Parquet gives it back: every turn has reasoning_content (null where absent), and a
+    single-request row has a null ``turns`` (the per-request counts of regenerate: all)."""
+    return {"turns": None, **row, "conversations": [{"reasoning_content": None, **t} for t in row["conversations"]]}
 
 
 def write_results(path: Path, rows: list[dict], bad: dict[int, str] | None = None) -> None:

@@ -280,3 +280,35 @@ def test_kept_truncated_rows_are_announced_and_left_out_of_the_specforge_export(
     assert main(["export", "-c", str(cfg), "--format", "specforge"]) == 0
     assert f"{len(cut)} truncated row(s) left out" in capsys.readouterr().out
     assert len(rows(tmp_path / "out" / "D.specforge.jsonl")) == 4 - len(cut)
+
+
+def test_regenerate_all_rows_train_every_regenerated_answer_with_train_only_last_turn_false(
+        tmp_path, redis_url, conn, sim_factory, tok_path, sf):
+    sim = sim_factory("--speedup", "200", "--length-mean", "20", "--reasoning-tokens-frac", "0.5", "--seed", "5")
+    src = tmp_path / "D.jsonl"
+    data = [{"id": "three", "m": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "old"},
+                                  {"role": "user", "content": "q2"}, {"role": "assistant", "content": "old"},
+                                  {"role": "user", "content": "more"}, {"role": "assistant", "content": "old"}]},
+            {"id": "two", "m": [{"role": "system", "content": "rule"}, {"role": "user", "content": "q1"},
+                                {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]},
+            {"id": "single", "m": [{"role": "user", "content": "only"}]}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in data))
+    cfg = write_config(tmp_path, redis_url, [sim], [{
+        "name": "D", "path": str(src), "budget": "1M", "id_field": "id", "messages_field": "m",
+        "regenerate": "all", "thinking": "separate", "sampling": {"max_tokens": 4000}}],
+        server={"api": "generate", "tokenizer": tok_path})
+    _run(cfg)
+    out = tmp_path / "out"
+    assert main(["export", "-c", str(cfg), "--format", "specforge"]) == 0
+    exported = {r["id"]: r for r in rows(out / "D.specforge.jsonl")}
+    assert sorted(exported) == ["single", "three", "two"]
+    tok = _tok(tok_path)
+    for rid, n in (("three", 3), ("two", 2), ("single", 1)):
+        row = exported[rid]
+        answers = [m for m in row["conversations"] if m["role"] == "assistant"]
+        assert len(answers) == n and all(m["content"] != "old" and m["reasoning_content"] for m in answers)
+        # every assistant message is the target's own now: --expect-reasoning holds on every row
+        assert validate_row(row, expect_reasoning=True) >= 1
+        # SpecForge's general parser with train_only_last_turn: false masks exactly the answers
+        _, masked = _masked(sf, tok, row["conversations"], last_only=False)
+        assert masked == [i for m in answers for i in _ids(tok, m["content"] + "<|im_end|>")], rid

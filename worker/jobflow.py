@@ -22,6 +22,7 @@ from shared.errors import BadResponseError, FatalRequestError, RetryableRequestE
 from shared.jobs import Claimed
 from shared.retry import retry_redis
 from shared.schema import JobPayload
+from worker import turns  # regenerate: all: a job may send one request per user turn
 from worker.process import build_row, estimate_prompt_tokens
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ async def run_job(w: ConcurrentWorker, t: Tracked) -> None:
 
 
 async def _reserve(w: ConcurrentWorker, t: Tracked) -> Reservation:
-    call = budget.reserve(t.ds, t.claimed.job_id, t.payload.sampling.max_tokens, t.prompt_tokens)
+    call = budget.reserve(t.ds, t.claimed.job_id, t.payload.sampling.max_tokens, t.prompt_tokens,
+                          requests=t.payload.requests)  # regenerate: all: every turn reserved
     return await retry_redis(lambda: w.batch(call), f"reserve {t.claimed.job_id}")
 
 
@@ -141,7 +143,8 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
     job_id = t.claimed.job_id
     try:
         try:
-            out = await w.client.complete(t.payload, job_id)
+            out = await turns.send(w.client, t.payload, job_id,  # regenerate: all: each turn timed alone
+                                   on_turn=lambda _k: setattr(t, "admitted_at", time.monotonic()))
         finally:
             w.slots.release()
     except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:
@@ -150,9 +153,10 @@ async def _send(w: ConcurrentWorker, t: Tracked, res: Reservation) -> None:
             await w.end(t, "failed", error=str(exc), stat="failed")
         return
     t.phase = Phase.COMMITTING
-    w.length.observe(out.completion_tokens, out.latency_s)
+    turns.observe(w.length, out)  # per request, also for a conversation
     row = build_row(t.payload, out, w.client.model).model_dump_json()
-    call = budget.commit(t.ds, job_id, out.prompt_tokens, out.completion_tokens, out.finish_reason, row)
+    call = budget.commit(t.ds, job_id, out.prompt_tokens, out.completion_tokens, out.finish_reason, row,
+                         lengths=turns.lengths(out))  # regenerate: all: per-request lengths
     outcome = await retry_redis(lambda: w.batch(call), f"commit {job_id}")
     w.control.room_freed(t.ds)
     if outcome is Outcome.CROSSED:

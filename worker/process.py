@@ -1,52 +1,69 @@
-"""One prompt's result as an output row, and the simple one-job-at-a-time path (stock rq worker)."""
+"""One job's result as an output row, and the simple one-job-at-a-time path (stock rq worker)."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 
 from shared import budget
 from shared.budget import Admission
 from shared.schema import JobPayload, Message, ResultRow
 from shared.scripts import arun
-from worker.sglang_client import Completion, SGLangClient
+from worker import turns
+from worker.sglang_client import Completion, SGLangClient, split_thinking
 
 # How long the one-at-a-time path waits before asking again when the budget may fit later.
 WAIT_POLL_S = 0.05
-_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+__all__ = ["build_row", "estimate_prompt_tokens", "run_one", "split_thinking"]
 
 
-def split_thinking(out: Completion) -> tuple[str, str | None]:
-    """(answer, thinking): from the server's reasoning parser, or from inline <think> tags."""
-    if out.reasoning is not None:
-        return out.text, out.reasoning
-    m = _THINK.match(out.text)
-    if m:
-        return out.text[m.end():], m.group(1).strip()
-    return out.text, None
-
-
-def build_row(payload: JobPayload, out: Completion, model: str) -> ResultRow:
-    """The result row: the reasoning goes on the assistant message (SpecForge reads it there),
+def _reply(payload: JobPayload, out: Completion) -> Message:
+    """The generated assistant message: the reasoning goes on it (SpecForge reads it there),
     inline as <think> in its content, or nowhere, never in two places."""
     answer, thinking = split_thinking(out)
-    reply = Message(role="assistant", content=answer)
     if thinking and payload.thinking == "inline":
-        reply.content = f"<think>\n{thinking}\n</think>\n\n{answer}"
-    elif thinking and payload.thinking == "separate":
-        reply = Message(role="assistant", content=answer, reasoning_content=thinking)
+        return Message(role="assistant", content=f"<think>\n{thinking}\n</think>\n\n{answer}")
+    if thinking and payload.thinking == "separate":
+        return Message.model_validate({"role": "assistant", "content": answer, "reasoning_content": thinking})
+    return Message(role="assistant", content=answer)
+
+
+def build_row(payload: JobPayload, out: turns.Result, model: str) -> ResultRow:
+    """The result row. regenerate: all: [system], user 1, answer 1, user 2, answer 2, ... as far
+    as the conversation got (a cut answer ends it), every answer with its own reasoning, the
+    layout SpecForge's scripts/regenerate_train_data.py writes for multi-turn rows."""
+    if isinstance(out, turns.Conversation):
+        conv = list(payload.messages)
+        for k, o in enumerate(out.outs):
+            if k:
+                conv.append((payload.turns or [])[k - 1])
+            conv.append(_reply(payload, o))
+        per_turn = [{"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+                     "finish_reason": o.finish_reason} for o in out.outs]
+    else:
+        conv, per_turn = [*payload.messages, _reply(payload, out)], None
     return ResultRow(
-        id=payload.id, dataset=payload.dataset, conversations=[*payload.messages, reply],
+        id=payload.id, dataset=payload.dataset, conversations=conv,
         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
         finish_reason=out.finish_reason, model=model, endpoint=out.endpoint, latency_s=round(out.latency_s, 4),
+        turns=per_turn,
     )
 
 
+def _chars_estimate(msgs: list[Message]) -> int:
+    return sum(len(m.content) for m in msgs) // 4 + 4 * len(msgs)
+
+
 def estimate_prompt_tokens(payload: JobPayload) -> int:
-    """Prompt tokens for count=total reservations: exact when the producer tokenized it."""
+    """Prompt tokens for count=total reservations: exact when the producer tokenized it.
+
+    With turns: summed over the requests, each without the answers before it (reserve.lua
+    adds an allowance per earlier answer), the producer's own definition (producer/tokenize.py).
+    """
     if payload.prompt_tokens is not None:
         return payload.prompt_tokens
-    return sum(len(m.content) for m in payload.messages) // 4 + 4 * len(payload.messages)
+    later = payload.turns or []
+    return sum(_chars_estimate([*payload.messages, *later[:k]]) for k in range(len(later) + 1))
 
 
 async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) -> dict:
@@ -54,7 +71,7 @@ async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) 
     ds = payload.dataset
     while True:
         res = await arun(conn, budget.reserve(ds, job_id, payload.sampling.max_tokens,
-                                              estimate_prompt_tokens(payload)))
+                                              estimate_prompt_tokens(payload), requests=payload.requests))
         if res.status is not Admission.WAIT:
             break
         await asyncio.sleep(WAIT_POLL_S)
@@ -63,12 +80,12 @@ async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) 
     if res.status in (Admission.EXHAUSTED, Admission.PAUSED):
         return {"status": "skipped", "reason": res.status.value.lower()}
     try:
-        out = await client.complete(payload, job_id)
+        out = await turns.send(client, payload, job_id)
     except BaseException:
         # Failure, cancellation or shutdown: give the reservation back before re-raising.
         await asyncio.shield(arun(conn, budget.release(ds, job_id)))
         raise
     row = build_row(payload, out, client.model)
     outcome = await arun(conn, budget.commit(ds, job_id, out.prompt_tokens, out.completion_tokens,
-                                             out.finish_reason, row.model_dump_json()))
+                                             out.finish_reason, row.model_dump_json(), lengths=turns.lengths(out)))
     return {"status": outcome.value.lower(), "kept": outcome.kept, "completion_tokens": out.completion_tokens}

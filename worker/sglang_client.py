@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -39,19 +40,28 @@ RID_SEPARATOR = "."  # RQ job ids never contain it (letters, digits, '_' and '-'
 _NONCE_HEX = 12
 
 
-def attempt_rid(job_id: str) -> str:
+def attempt_rid(job_id: str, turn: int = 1) -> str:
     """A fresh SGLang rid for one attempt of a job: ``<job id>.<12 hex>``.
 
     SGLang aborts by rid *prefix* (scheduler: ``req.rid.startswith(rid)``), on /abort_request
     and on disconnect. A fixed-width nonce after a separator no job id contains means no rid
     is ever a prefix of another one (``C-c1.<n>`` cannot start ``C-c10.<n>``), and a retry
     never reuses an rid the server may still hold.
+
+    regenerate: all sends one request per user turn; turns after the first are
+    ``<job id>.t<turn>.<12 hex>``. Still no rid is a prefix of another: after ``<job id>.``
+    comes either a hex digit or ``t`` (never hex), after ``t<turn>`` a separator (never a
+    digit), and the nonce is fixed-width. The simulator draws lengths per rid without the
+    nonce (simulator/lengths.py), so each turn gets its own length, the same on every retry.
     """
-    return f"{job_id}{RID_SEPARATOR}{secrets.token_hex(_NONCE_HEX // 2)}"
+    nonce = secrets.token_hex(_NONCE_HEX // 2)
+    if turn == 1:
+        return f"{job_id}{RID_SEPARATOR}{nonce}"
+    return f"{job_id}{RID_SEPARATOR}t{turn}{RID_SEPARATOR}{nonce}"
 
 
 def job_id_of_rid(rid: str) -> str:
-    return rid.rsplit(RID_SEPARATOR, 1)[0]
+    return rid.split(RID_SEPARATOR, 1)[0]
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,19 @@ class Completion:
     finish_reason: str
     endpoint: str
     latency_s: float
+
+
+_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+def split_thinking(out: Completion) -> tuple[str, str | None]:
+    """(answer, thinking): from the server's reasoning parser, or from inline <think> tags."""
+    if out.reasoning is not None:
+        return out.text, out.reasoning
+    m = _THINK.match(out.text)
+    if m:
+        return out.text[m.end():], m.group(1).strip()
+    return out.text, None
 
 
 def _error_message(body: object) -> str:
@@ -172,6 +195,10 @@ class SGLangClient:
     def model(self) -> str:
         return self._server.model
 
+    @property
+    def server(self) -> ServerConfig:
+        return self._server
+
     async def close(self) -> None:
         """Let pending /abort_request calls finish (bounded by their timeout), stop health probes."""
         if self._aborts:
@@ -230,8 +257,10 @@ class SGLangClient:
             raise BadResponseError(f"{ep.url}{path}: response is not a JSON object: {str(data)[:300]}")
         return parse_response(self._server.api, data, ep.url, started)
 
-    async def complete(self, payload: JobPayload, job_id: str) -> Completion:
+    async def complete(self, payload: JobPayload, job_id: str, turn: int = 1) -> Completion:
         """Send with retries (exponential backoff + jitter) on transient failures only.
+
+        ``turn``: which request of a regenerate: all conversation this is (its rid says so).
 
         Waiting for an endpoint to come back does not spend attempts: when every endpoint is
         down the job waits instead of failing. A server that answered (a duplicate rid, an
@@ -245,7 +274,7 @@ class SGLangClient:
                 continue
             attempt += 1
             try:
-                out = await self._once(ep, payload, attempt_rid(job_id))
+                out = await self._once(ep, payload, attempt_rid(job_id, turn))
             except RetryableRequestError as exc:
                 answered = isinstance(exc, DuplicateRidError | AbortedResponseError)
                 if answered:

@@ -4,6 +4,9 @@
 --       4 result row (JSON)  5 finish reason ('length' = cut by max_tokens)
 --       6 histogram bins (keys.HIST_BINS)  7 rate bucket width, s (keys.RATE_BUCKET_S)
 --       8 how long rate buckets are kept, s (keys.RATE_KEEP_S)
+--       9 optional: each request's completion tokens, comma-separated, when the result took
+--         several (regenerate: all); ARGV[3] is their sum. The histogram, the spread and
+--         stats.extra_requests stay per request, so reserve.lua's mean is per request.
 -- What counts follows the dataset's conf: count = completion | total (prompt + completion);
 -- keep = complete sets results cut by max_tokens aside (side file, not counted).
 -- Returns {status, used}; status is one of
@@ -39,10 +42,18 @@ local tokens = generated
 if conf[4] == 'total' then tokens = tokens + tonumber(ARGV[2]) end
 local bins = tonumber(ARGV[6])
 local width = math.max(1, math.floor(tonumber(conf[3] or bins) / bins))
-redis.call('HINCRBY', KEYS[8], math.floor(generated / width), 1)
+local lengths = {generated}
+if ARGV[9] and ARGV[9] ~= '' then
+  lengths = {}
+  for n in string.gmatch(ARGV[9], '[^,]+') do lengths[#lengths + 1] = tonumber(n) end
+  redis.call('HINCRBY', KEYS[6], 'extra_requests', #lengths - 1)
+end
 redis.call('HINCRBY', KEYS[6], 'sum_completion', generated)
--- With sum_completion, the spread of lengths: reserve.lua's end-game margin.
-redis.call('HINCRBY', KEYS[6], 'sum_sq_completion', generated * generated)
+for _, n in ipairs(lengths) do
+  redis.call('HINCRBY', KEYS[8], math.floor(n / width), 1)
+  -- With sum_completion, the spread of lengths: reserve.lua's end-game margin.
+  redis.call('HINCRBY', KEYS[6], 'sum_sq_completion', n * n)
+end
 if conf[5] == 'complete' and ARGV[5] == 'length' then
   redis.call('HINCRBY', KEYS[6], 'truncated', 1)
   redis.call('HINCRBY', KEYS[6], 'truncated_tokens', generated)

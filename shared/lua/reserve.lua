@@ -2,7 +2,11 @@
 -- KEYS: 1 conf (hash) 2 used (string) 3 resv (hash job->tokens) 4 reserved (string)
 --       5 done (set) 6 stats (hash) 7 results 8 hist 9 rate (7-9 unused here)
 -- ARGV: 1 job id  2 max_tokens of this request  3 prompt tokens (counted only when
---       conf.count == 'total'; 0 if unknown)
+--       conf.count == 'total'; 0 if unknown; with several requests, summed over them
+--       without the answers)  4 requests the job sends (regenerate: all: one per user
+--       turn; default 1). The reservation covers them all: strict reserves requests x
+--       max_tokens, soft requests x the mean per request; with count = total, each request
+--       also carries the earlier answers in its prompt: requests x (requests - 1) / 2 answers.
 -- Returns {status, tokens_reserved}; status is one of
 --   ADMIT      reservation written (or already held by this job: idempotent on retry)
 --   DONE       the prompt was already committed: do not send it again
@@ -14,6 +18,12 @@
 local job = ARGV[1]
 local max_tokens = tonumber(ARGV[2])
 local prompt_tokens = tonumber(ARGV[3] or '0')
+local requests = tonumber(ARGV[4] or '1')
+-- count = total: earlier answers sent again as context, in answers (0 for one request)
+local context_answers = requests * (requests - 1) / 2
+-- strict's bound on an answer sent back as context: its tokens (never more than generated,
+-- reasoning is not sent back) plus what re-tokenizing its text may add
+local ANSWER_SLACK = 8
 if redis.call('SISMEMBER', KEYS[5], job) == 1 then
   return {'DONE', 0}
 end
@@ -43,7 +53,8 @@ if mode == 'drain' then
   return {'ADMIT', 0}
 elseif mode == 'strict' then
   -- Reserve the worst case so used can never pass the limit.
-  est = max_tokens + extra
+  est = requests * max_tokens + extra
+  if conf[5] == 'total' then est = est + context_answers * (max_tokens + ANSWER_SLACK) end
   if used + est > limit then return {'EXHAUSTED', 0} end
 else
   if used >= limit then return {'EXHAUSTED', 0} end
@@ -51,8 +62,11 @@ else
   -- finish first, so an early mean is biased low: until enough results are in, never
   -- reserve below the configured prior. Requests that keep running get their reservation
   -- raised by the worker as they age (adjust.lua), which is what tapers the end.
-  local stats = redis.call('HMGET', KEYS[6], 'committed', 'truncated', 'sum_completion', 'sum_sq_completion')
-  local n = tonumber(stats[1] or '0') + tonumber(stats[2] or '0')
+  -- extra_requests: requests beyond one per committed result (regenerate: all), so the mean
+  -- stays a mean per request
+  local stats = redis.call('HMGET', KEYS[6], 'committed', 'truncated', 'sum_completion', 'sum_sq_completion',
+                           'extra_requests')
+  local n = tonumber(stats[1] or '0') + tonumber(stats[2] or '0') + tonumber(stats[5] or '0')
   local mean = tonumber(conf[4] or '1')
   local in_flight = redis.call('HLEN', KEYS[3])
   if n > 0 then
@@ -68,10 +82,11 @@ else
       if var > 0 then margin = z * math.sqrt(var * (in_flight + 1)) end
     end
   end
-  est = math.ceil(mean)
-  if est > max_tokens then est = max_tokens end
-  if est < 1 then est = 1 end
-  est = est + extra
+  local per = math.ceil(mean)
+  if per > max_tokens then per = max_tokens end
+  if per < 1 then per = 1 end
+  est = requests * per + extra
+  if conf[5] == 'total' then est = est + context_answers * per end
   -- Fill the tail: with nothing in flight and budget left, always admit one.
   if in_flight == 0 then
     redis.call('HSET', KEYS[3], job, est)
