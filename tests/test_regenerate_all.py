@@ -20,7 +20,7 @@ from aiohttp import web
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from budgetq.localhost import free_port
+from simulator.local import free_port
 from producer.check import CheckReport, RedisCheck, check_dataset, format_report
 from producer.mapping import row_to_messages, split_turns
 from shared import budget, keys
