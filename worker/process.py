@@ -34,7 +34,8 @@ def build_row(payload: JobPayload, out: Completion, model: str) -> ResultRow:
     if thinking and payload.thinking == "inline":
         reply.content = f"<think>\n{thinking}\n</think>\n\n{answer}"
     elif thinking and payload.thinking == "separate":
-        reply = Message(role="assistant", content=answer, reasoning_content=thinking)
+        # Message allows extra fields (pydantic extra="allow"); SpecForge reads this one.
+        reply = Message.model_validate({"role": "assistant", "content": answer, "reasoning_content": thinking})
     return ResultRow(
         id=payload.id, dataset=payload.dataset, conversations=[*payload.messages, reply],
         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,

@@ -3,7 +3,7 @@
 -- for jobs whose lease ended (their worker died).
 -- KEYS: 1 RQ started registry  2 RQ queue list  3 RQ job hash  4 resv  5 reserved  6 stats
 -- ARGV: 1 registry member "<job id>:<execution id>"  2 job id  3 stats field to count
---       (requeued | recovered)  4 if not empty: only when the lease ended before this time
+--       (shared.stats.REQUEUE_STATS: requeued | recovered)  4 if not empty: only when the lease ended before this time
 --       (unix seconds), so a lease renewed meanwhile is left alone
 -- Returns 1 if requeued, 0 if the member was already gone or its lease was renewed.
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
