@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import redis
+from rq.job import JobStatus
 from rq.registry import BaseRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import utcformat
@@ -47,9 +48,9 @@ def registry(kind: type[RegistryT], ds: str, conn: redis.Redis) -> RegistryT:
 class Ending(enum.StrEnum):
     """How a job ends, as RQ's job status (and the registry it goes to: rq:<status>:<queue>)."""
 
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELED = "canceled"
+    FINISHED = JobStatus.FINISHED.value
+    FAILED = JobStatus.FAILED.value
+    CANCELED = JobStatus.CANCELED.value
 
 
 class Skip(enum.StrEnum):
@@ -127,7 +128,7 @@ def claim(ds: str, count: int, lease_end: float, worker_name: str) -> ScriptCall
     prefix = uuid.uuid4().hex[:20]
     return ScriptCall("claim", [keys.rq_queue_key(ds), keys.rq_wip_key(ds)],
                       [count, f"{lease_end:.3f}", prefix, utcformat(datetime.now(UTC)), worker_name,
-                       keys.RQ_JOB_PREFIX], _claimed)
+                       keys.RQ_JOB_PREFIX, JobStatus.STARTED.value], _claimed)
 
 
 def requeue(ds: str, member: str, job_id: str, reason: Stat = Stat.REQUEUED,
@@ -139,7 +140,8 @@ def requeue(ds: str, member: str, job_id: str, reason: Stat = Stat.REQUEUED,
         "requeue",
         [keys.rq_wip_key(ds), keys.rq_queue_key(ds), keys.rq_job_key(job_id), keys.resv_key(ds),
          keys.reserved_key(ds), keys.stats_key(ds)],
-        [member, job_id, reason, "" if only_if_expired_before is None else f"{only_if_expired_before:.3f}"],
+        [member, job_id, reason.value, "" if only_if_expired_before is None else f"{only_if_expired_before:.3f}",
+         JobStatus.QUEUED.value],
         lambda r: bool(int(r)))
 
 

@@ -7,6 +7,7 @@ import re
 
 from shared import budget
 from shared.budget import Admission
+from shared.jobs import ResultStatus
 from shared.schema import JobPayload, Message, ResultRow
 from shared.scripts import arun
 from worker.sglang_client import Completion, SGLangClient
@@ -60,7 +61,7 @@ async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) 
             break
         await asyncio.sleep(WAIT_POLL_S)
     if res.status is Admission.DONE:
-        return {"status": "already_done"}
+        return {"status": ResultStatus.ALREADY_DONE.value}
     if res.status in (Admission.EXHAUSTED, Admission.PAUSED):
         return {"status": "skipped", "reason": res.status.value.lower()}
     try:
