@@ -61,12 +61,16 @@ async def run_job(ctx: JobContext, t: Tracked) -> None:
         ctx.wake.set()
 
 
+async def _reserve(ctx: JobContext, t: Tracked, payload: JobPayload) -> Reservation:
+    call = budget.reserve(t.ds, t.job_id, payload.sampling.max_tokens, t.prompt_tokens)
+    return await retry_redis(lambda: ctx.batch(call), f"reserve {t.job_id}")
+
+
 async def _try_reserve(ctx: JobContext, t: Tracked, payload: JobPayload) -> Reservation:
     """Take a server slot and ask for a reservation; the slot is kept only if admitted."""
     await ctx.slots.acquire()
     try:
-        call = budget.reserve(t.ds, t.job_id, payload.sampling.max_tokens, t.prompt_tokens)
-        res = await retry_redis(lambda: ctx.batch(call), f"reserve {t.job_id}")
+        res = await _reserve(ctx, t, payload)
     except BaseException:
         ctx.slots.release()
         raise
