@@ -68,8 +68,15 @@ def text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+# reserve.lua (soft mode): until this many results are in, a fresh reservation is never below
+# the dataset's prior mean (short answers finish first, so an early mean is biased low) ...
+PRIOR_UNTIL = 50
+# ... and the end-game margin (conf end_margin_z) waits for this many, to have a spread to use.
+MARGIN_AFTER = 20
+
+
 def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0) -> ScriptCall[Reservation]:
-    return ScriptCall("reserve", keys.budget_keys(ds), [job_id, max_tokens, prompt_tokens],
+    return ScriptCall("reserve", keys.budget_keys(ds), [job_id, max_tokens, prompt_tokens, PRIOR_UNTIL, MARGIN_AFTER],
                       lambda r: Reservation(Admission(text(r[0])), int(r[1])))
 
 

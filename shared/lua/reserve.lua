@@ -2,7 +2,9 @@
 -- KEYS: 1 conf (hash) 2 used (string) 3 resv (hash job->tokens) 4 reserved (string)
 --       5 done (set) 6 stats (hash) 7 results 8 hist 9 rate (7-9 unused here)
 -- ARGV: 1 job id  2 max_tokens of this request  3 prompt tokens (counted only when
---       conf.count == 'total'; 0 if unknown)
+--       conf.count == 'total'; 0 if unknown)  4 results before the running mean may go below
+--       the prior (budget.PRIOR_UNTIL)  5 results before the end-game margin applies
+--       (budget.MARGIN_AFTER)
 -- Returns {status, tokens_reserved}; status is one of
 --   ADMIT      reservation written (or already held by this job: idempotent on retry)
 --   DONE       the prompt was already committed: do not send it again
@@ -14,6 +16,8 @@
 local job = ARGV[1]
 local max_tokens = tonumber(ARGV[2])
 local prompt_tokens = tonumber(ARGV[3] or '0')
+local prior_until = tonumber(ARGV[4])
+local margin_after = tonumber(ARGV[5])
 if redis.call('SISMEMBER', KEYS[5], job) == 1 then
   return {'DONE', 0}
 end
@@ -57,13 +61,13 @@ else
   local in_flight = redis.call('HLEN', KEYS[3])
   if n > 0 then
     local m = tonumber(stats[3] or '0') / n
-    if n >= 50 or m > mean then mean = m end
+    if n >= prior_until or m > mean then mean = m end
     -- The end game: the requests in flight will produce about their reservations in all,
     -- give or take sd * sqrt(in flight + 1). Keeping end_margin_z of that spread free means
     -- the crossing comes with few requests still running, so few are aborted (waste), at
     -- the cost of a slower last few percent. Far from the budget it changes nothing.
     local z = tonumber(conf[6] or '0')
-    if z > 0 and n >= 20 then
+    if z > 0 and n >= margin_after then
       local var = tonumber(stats[4] or '0') / n - m * m
       if var > 0 then margin = z * math.sqrt(var * (in_flight + 1)) end
     end
