@@ -32,7 +32,7 @@ from producer.meta import check_and_write_meta
 from producer.migrate import id_scheme
 from producer.reader import Filtered, Invalid, Prompt, read_prompts
 from producer.reconcile import adopt_missing, rows_on_disk
-from shared import keys
+from shared import jobs, keys
 from shared.budget import dataset_state, register_dataset
 from shared.config import Config, DatasetConfig
 from shared.errors import BudgetqError
@@ -46,7 +46,6 @@ from shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.producer")
 JOB_FUNC = "worker.job.run_prompt"  # by name: producer never imports worker
-FAILURE_TTL_S = 7 * 86400
 # RQ job statuses that mean "this prompt is already in the system": never enqueue it again.
 _LIVE = {b"queued", b"started", b"scheduled", b"deferred", b"failed"}
 
@@ -140,7 +139,7 @@ class Producer:
 
     def _reopen(self, f: Feed) -> None:
         """The budget was raised after it was reached: skipped jobs run after all, reading resumes."""
-        registry = CanceledJobRegistry(f.queue.name, connection=self.conn, serializer=JSONSerializer)
+        registry = jobs.registry(CanceledJobRegistry, f.ds.name, self.conn)
         ids = registry.get_job_ids(cleanup=False)
         for jid in ids:
             registry.requeue(jid)
@@ -222,7 +221,7 @@ class Producer:
                 continue
             try:
                 data[jid] = Queue.prepare_data(JOB_FUNC, args=(_payload(f.ds, p),), job_id=jid, timeout=-1,
-                                               result_ttl=500, failure_ttl=FAILURE_TTL_S,
+                                               result_ttl=jobs.RESULT_TTL_S, failure_ttl=jobs.KEEP_S,
                                                description=f"{f.ds.name}:{safe(p.id)[:120]}")
             except Exception as exc:  # noqa: BLE001 - one row that cannot become a job costs only that row
                 self._record_invalid(f, Invalid(p.line, f"cannot enqueue: {type(exc).__name__}: {exc}"))
@@ -245,7 +244,7 @@ class Producer:
                     self._record_invalid(f, Invalid(line, f"cannot enqueue: {type(exc).__name__}: {exc}"))
 
     def _push(self, f: Feed, items: list[tuple[str, EnqueueData]]) -> None:
-        canceled = CanceledJobRegistry(f.queue.name, connection=self.conn, serializer=JSONSerializer).key
+        canceled = jobs.registry(CanceledJobRegistry, f.ds.name, self.conn).key
         with self.conn.pipeline() as pipe:
             pipe.zrem(canceled, *[jid for jid, _ in items])  # skipped before, enqueued again now
             f.queue.enqueue_many([d for _, d in items], pipeline=pipe)
@@ -320,8 +319,7 @@ class Producer:
         rows = []
         for f in self.feeds:
             st = dataset_state(self.conn, f.ds.name)
-            failed = FailedJobRegistry(f.queue.name, connection=self.conn,
-                                       serializer=JSONSerializer).get_job_count(cleanup=False)
+            failed = jobs.registry(FailedJobRegistry, f.ds.name, self.conn).get_job_count(cleanup=False)
             rows.append({
                 "dataset": f.ds.name, "budget": st.limit, "used": st.used, "rows": self.collector.rows(f.ds.name),
                 "truncated": st.stats.get("truncated", 0), "enqueued": f.enqueued,

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.asyncio as aredis
 
 from shared import keys
 from shared.config import DatasetConfig
-from shared.redis_conn import dataset_names as dataset_names  # re-exported: budget.dataset_names callers
-from shared.redis_conn import text as _text
+from shared.redis_conn import text
 from shared.scripts import ScriptCall
+from shared.stats import Conf
 
 
 class Admission(enum.Enum):
@@ -63,11 +64,19 @@ class Reservation:
     tokens: int
 
 
+# reserve.lua (soft mode): until this many results are in, a fresh reservation is never below
+# the dataset's prior mean (short answers finish first, so an early mean is biased low) ...
+PRIOR_UNTIL = 50
+# ... and the end-game margin (conf end_margin_z) waits for this many, to have a spread to use.
+MARGIN_AFTER = 20
+
+
 def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0,
             requests: int = 1) -> ScriptCall[Reservation]:
     """``requests``: how many requests the job sends (regenerate: all, one per user turn)."""
-    return ScriptCall("reserve", keys.budget_keys(ds), [job_id, max_tokens, prompt_tokens, requests],
-                      lambda r: Reservation(Admission(_text(r[0])), int(r[1])))
+    return ScriptCall("reserve", keys.budget_keys(ds),
+                      [job_id, max_tokens, prompt_tokens, requests, PRIOR_UNTIL, MARGIN_AFTER],
+                      lambda r: Reservation(Admission(text(r[0])), int(r[1])))
 
 
 def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, finish_reason: str,
@@ -81,7 +90,7 @@ def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, fin
                        keys.HIST_BINS, keys.RATE_BUCKET_S, keys.RATE_KEEP_S]
     if lengths is not None and len(lengths) > 1:
         args.append(",".join(str(n) for n in lengths))
-    return ScriptCall("commit", keys.budget_keys(ds), args, lambda r: Outcome(_text(r[0])))
+    return ScriptCall("commit", keys.budget_keys(ds), args, lambda r: Outcome(text(r[0])))
 
 
 def release(ds: str, job_id: str, generated: int = 0, member: str | None = None) -> ScriptCall[Release]:
@@ -91,7 +100,7 @@ def release(ds: str, job_id: str, generated: int = 0, member: str | None = None)
     the job; NOT_OURS if it does not (its lease ran out and the job was requeued).
     """
     def parse(r: Any) -> Release:
-        return Release(Released(_text(r[0])), int(r[1]))
+        return Release(Released(text(r[0])), int(r[1]))
 
     if member is None:
         return ScriptCall("release", keys.budget_keys(ds), [job_id, generated], parse)
@@ -121,12 +130,13 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig) -> None:
     """Write a dataset's budget settings; keeps counters (a restarted producer continues)."""
     pipe = client.pipeline()
     pipe.sadd(keys.DATASETS, ds.name)
-    pipe.hset(keys.conf_key(ds.name), mapping={
-        "limit": ds.budget, "mode": ds.mode, "count": ds.count, "keep": ds.keep,
-        "prior_mean": ds.prior_mean, "max_tokens": ds.max_tokens, "end_margin_z": ds.end_margin_z,
-        "registered_at": f"{time.time():.3f}",
-    })
-    pipe.hsetnx(keys.conf_key(ds.name), "paused", "0")
+    conf: dict[Any, Any] = {
+        Conf.LIMIT: ds.budget, Conf.MODE: ds.mode, Conf.COUNT: ds.count, Conf.KEEP: ds.keep,
+        Conf.PRIOR_MEAN: ds.prior_mean, Conf.MAX_TOKENS: ds.max_tokens, Conf.END_MARGIN_Z: ds.end_margin_z,
+        Conf.REGISTERED_AT: f"{time.time():.3f}",
+    }
+    pipe.hset(keys.conf_key(ds.name), mapping=conf)
+    pipe.hsetnx(keys.conf_key(ds.name), Conf.PAUSED, "0")
     pipe.execute()
 
 
@@ -155,7 +165,7 @@ class DatasetState:
         return self.used >= self.limit
 
 
-def queue_state_commands(pipe: redis.client.Pipeline, name: str) -> None:
+def queue_state_commands(pipe: redis.client.Pipeline | aredis.client.Pipeline, name: str) -> None:
     pipe.hgetall(keys.conf_key(name))
     pipe.get(keys.used_key(name))
     pipe.get(keys.reserved_key(name))
@@ -165,15 +175,15 @@ def queue_state_commands(pipe: redis.client.Pipeline, name: str) -> None:
 
 def parse_state(name: str, replies: list[Any]) -> DatasetState:
     conf, used, reserved, in_flight, stats = replies
-    conf = {_text(k): _text(v) for k, v in conf.items()}
-    stats_i = {_text(k): int(float(v)) for k, v in stats.items()}
+    conf = {text(k): text(v) for k, v in conf.items()}
+    stats_i = {text(k): int(float(v)) for k, v in stats.items()}
     return DatasetState(
-        name=name, limit=int(conf.get("limit", 0)), mode=conf.get("mode", "soft"),
-        paused=conf.get("paused") == "1", used=int(used or 0), reserved=int(reserved or 0),
-        in_flight=int(in_flight), max_tokens=int(conf.get("max_tokens", 0)), stats=stats_i,
-        abort_epoch=int(conf.get("abort_epoch", 0)), count=conf.get("count", "completion"),
-        keep=conf.get("keep", "all"), prior_mean=int(float(conf.get("prior_mean", 0))),
-        registered_at=float(conf["registered_at"]) if conf.get("registered_at") else None,
+        name=name, limit=int(conf.get(Conf.LIMIT, 0)), mode=conf.get(Conf.MODE, "soft"),
+        paused=conf.get(Conf.PAUSED) == "1", used=int(used or 0), reserved=int(reserved or 0),
+        in_flight=int(in_flight), max_tokens=int(conf.get(Conf.MAX_TOKENS, 0)), stats=stats_i,
+        abort_epoch=int(conf.get(Conf.ABORT_EPOCH, 0)), count=conf.get(Conf.COUNT, "completion"),
+        keep=conf.get(Conf.KEEP, "all"), prior_mean=int(float(conf.get(Conf.PRIOR_MEAN, 0))),
+        registered_at=float(conf[Conf.REGISTERED_AT]) if conf.get(Conf.REGISTERED_AT) else None,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -332,9 +333,9 @@ def _is_local_path(path: str) -> bool:
 
 
 def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
-                env: dict[str, str] | None = None) -> Config:
+                env: Mapping[str, str] | None = None) -> Config:
     """Load YAML (if given), apply env overrides, then CLI overrides; errors name field and value."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     raw: dict[str, Any] = {}
     source = "(defaults)"
     if path is not None:
@@ -358,8 +359,8 @@ def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...],
                 if cand.exists() or not Path(ds["path"]).exists():
                     ds["path"] = str(cand)
     for var, key_path in _ENV.items():
-        if env.get(var):
-            value: Any = env[var]
+        if environ.get(var):
+            value: Any = environ[var]
             if key_path == ("server", "urls"):
                 value = [u.strip() for u in value.split(",") if u.strip()]
             _set(raw, key_path, value)

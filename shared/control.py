@@ -13,9 +13,8 @@ import time
 
 import redis
 from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 
-from shared import budget, keys
+from shared import budget, jobs, keys
 from shared.errors import BudgetqError
 from shared.redis_conn import dataset_names
 from shared.scripts import run
@@ -70,7 +69,7 @@ def retry_failed(conn: redis.Redis, datasets: list[str]) -> dict[str, int]:
     out = {}
     for ds in datasets:
         _require(conn, ds)
-        registry = FailedJobRegistry(keys.queue_name(ds), connection=conn, serializer=JSONSerializer)
+        registry = jobs.registry(FailedJobRegistry, ds, conn)
         ids = registry.get_job_ids(cleanup=False)
         for job_id in ids:
             registry.requeue(job_id)

@@ -10,23 +10,98 @@ thousand prompts a second (bench/orchestration.py).
 
 from __future__ import annotations
 
+import enum
 import json
 import uuid
 import zlib
 from base64 import b64encode
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
+import redis
+from rq.job import JobStatus
+from rq.registry import BaseRegistry
+from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
 from shared import keys
 from shared.scripts import ScriptCall
+from shared.stats import ENDING_STATS, REQUEUE_STATS, Stat
 
+# The one definition of how long RQ keeps ended jobs; the producer enqueues with them too
+# (Queue.prepare_data's result_ttl / failure_ttl), finish.lua gets them in ARGV.
 RESULT_TTL_S = 500             # finished jobs, like RQ's default
 KEEP_S = 7 * 86400             # failed and skipped jobs: retry-failed / a raised budget requeue them
-# RQ names each registry after the status of the jobs in it: rq:<status>:<queue>.
-ENDINGS = ("finished", "failed", "canceled")
+
+RESULT_STREAM_MAXLEN = 10     # entries of a job's result stream, like RQ's Result.save
+
+RegistryT = TypeVar("RegistryT", bound=BaseRegistry)
+
+
+def registry(kind: type[RegistryT], ds: str, conn: redis.Redis) -> RegistryT:
+    """RQ's registry ``kind`` (FailedJobRegistry, CanceledJobRegistry, ...) of a dataset's queue,
+    with the JSON serializer our jobs are written with: the one place these are built."""
+    return kind(keys.queue_name(ds), connection=conn, serializer=JSONSerializer)
+
+
+class Ending(enum.StrEnum):
+    """How a job ends, as RQ's job status (and the registry it goes to: rq:<status>:<queue>)."""
+
+    FINISHED = JobStatus.FINISHED.value
+    FAILED = JobStatus.FAILED.value
+    CANCELED = JobStatus.CANCELED.value
+
+
+class Skip(enum.StrEnum):
+    """Why a job was canceled (RQ status canceled): its meta ``skipped`` field."""
+
+    EXHAUSTED = "budget exhausted"
+    WITHDRAWN = "admission withdrawn before the result arrived"
+    ABORTED_BUDGET = "aborted in flight: budget"
+    ABORTED_WITHDRAWN = "aborted in flight: withdrawn"
+
+
+class ResultStatus(enum.StrEnum):
+    """The ``status`` of a finished job's return value (what RQ shows as its result)."""
+
+    COMMITTED = "committed"
+    CROSSED = "crossed"
+    TRUNCATED = "truncated"
+    DUPLICATE = "duplicate"
+    ALREADY_DONE = "already_done"
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """Everything finish.lua records about one job's end; built by the constructors below."""
+
+    ending: Ending
+    result: dict[str, Any] | None = None
+    error: str = ""
+    skipped: Skip | None = None
+    stat: Stat | None = None
+
+    @property
+    def outcome(self) -> str:
+        """The word the worker's exit log counts it under."""
+        return str((self.result or {}).get("status", self.ending))
+
+    @classmethod
+    def done(cls, status: ResultStatus, completion_tokens: int | None = None) -> JobEnd:
+        result: dict[str, Any] = {"status": status.value}
+        if completion_tokens is not None:
+            result["completion_tokens"] = completion_tokens
+        return cls(Ending.FINISHED, result, stat=Stat.ALREADY_DONE if status is ResultStatus.ALREADY_DONE else None)
+
+    @classmethod
+    def failed(cls, error: str) -> JobEnd:
+        return cls(Ending.FAILED, error=error, stat=Stat.FAILED)
+
+    @classmethod
+    def skip(cls, reason: Skip) -> JobEnd:
+        aborted = reason in (Skip.ABORTED_BUDGET, Skip.ABORTED_WITHDRAWN)
+        return cls(Ending.CANCELED, skipped=reason, stat=Stat.ABORTED if aborted else Stat.SKIPPED)
 
 
 @dataclass(frozen=True)
@@ -52,37 +127,41 @@ def _claimed(reply: list[Any]) -> list[Claimed]:
 def claim(ds: str, count: int, lease_end: float, worker_name: str) -> ScriptCall[list[Claimed]]:
     prefix = uuid.uuid4().hex[:20]
     return ScriptCall("claim", [keys.rq_queue_key(ds), keys.rq_wip_key(ds)],
-                      [count, f"{lease_end:.3f}", prefix, utcformat(datetime.now(UTC)), worker_name], _claimed)
+                      [count, f"{lease_end:.3f}", prefix, utcformat(datetime.now(UTC)), worker_name,
+                       keys.RQ_JOB_PREFIX, JobStatus.STARTED.value], _claimed)
 
 
-def requeue(ds: str, member: str, job_id: str, reason: str = "requeued",
+def requeue(ds: str, member: str, job_id: str, reason: Stat = Stat.REQUEUED,
             only_if_expired_before: float | None = None) -> ScriptCall[bool]:
     """Put a started job back at the front of its queue and release its reservation."""
+    if reason not in REQUEUE_STATS:
+        raise ValueError(f"not a requeue counter: {reason!r}")
     return ScriptCall(
         "requeue",
         [keys.rq_wip_key(ds), keys.rq_queue_key(ds), keys.rq_job_key(job_id), keys.resv_key(ds),
          keys.reserved_key(ds), keys.stats_key(ds)],
-        [member, job_id, reason, "" if only_if_expired_before is None else f"{only_if_expired_before:.3f}"],
+        [member, job_id, reason.value, "" if only_if_expired_before is None else f"{only_if_expired_before:.3f}",
+         JobStatus.QUEUED.value],
         lambda r: bool(int(r)))
 
 
-def finish(ds: str, c: Claimed, status: str, started_at: float, worker_name: str, *,
-           result: dict | None = None, error: str = "", skipped: str = "", stat: str = "") -> ScriptCall[bool]:
-    """Record a job's end (status finished, failed or canceled); False if we no longer hold it."""
-    if status not in ENDINGS:
-        raise ValueError(f"not a job ending: {status!r} (one of {', '.join(ENDINGS)})")
+def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str) -> ScriptCall[bool]:
+    """Record a job's end in RQ's layout and count it; False if we no longer hold it."""
+    if end.stat is not None and end.stat not in ENDING_STATS:
+        raise ValueError(f"not an ending counter: {end.stat!r}")
     now = datetime.now(UTC)
-    ttl = RESULT_TTL_S if status == "finished" else KEEP_S
-    queue = keys.queue_name(ds)
-    result_type = {"finished": 1, "failed": 2}.get(status, 0)
+    ttl = RESULT_TTL_S if end.ending is Ending.FINISHED else KEEP_S
+    result_type = {Ending.FINISHED: 1, Ending.FAILED: 2}.get(end.ending, 0)
+    error = end.error
     return ScriptCall(
         "finish",
-        [keys.rq_wip_key(ds), keys.rq_job_key(c.job_id), f"rq:{status}:{queue}",
-         f"rq:results:{c.job_id}", keys.stats_key(ds)],
-        [c.member, c.job_id, status, utcformat(now), f"{now.timestamp() + ttl:.3f}", ttl, result_type,
-         b64encode(json.dumps(result).encode()).decode() if result is not None else "",
+        [keys.rq_wip_key(ds), keys.rq_job_key(c.job_id), keys.rq_registry_key(ds, end.ending),
+         keys.rq_results_key(c.job_id), keys.stats_key(ds)],
+        [c.member, c.job_id, end.ending.value, utcformat(now), f"{now.timestamp() + ttl:.3f}", ttl, result_type,
+         b64encode(json.dumps(end.result).encode()).decode() if end.result is not None else "",
          b64encode(zlib.compress(error.encode())).decode() if error else "",
          worker_name, c.execution_id, f"{started_at:.6f}", f"{now.timestamp():.6f}",
          zlib.compress(error.encode()) if error else "",
-         json.dumps({"skipped": skipped}) if skipped else "", stat],
+         json.dumps({"skipped": end.skipped.value}) if end.skipped else "",
+         end.stat.value if end.stat else "", RESULT_STREAM_MAXLEN],
         lambda r: bool(int(r)))

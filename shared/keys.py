@@ -34,8 +34,7 @@ def _ds(ds: str, what: str) -> str:
 
 
 def conf_key(ds: str) -> str:
-    """Hash: limit, mode, count, keep, paused, prior_mean, max_tokens, end_margin_z, abort_epoch,
-    registered_at."""
+    """Hash of a dataset's settings; its fields are ``shared.stats.Conf``."""
     return _ds(ds, "conf")
 
 
@@ -60,11 +59,7 @@ def done_key(ds: str) -> str:
 
 
 def stats_key(ds: str) -> str:
-    """Hash of counters. Jobs: committed, truncated, skipped, aborted, rejected, failed, invalid,
-    duplicate, already_done, withdrawn, requeued, retried, retried_failed, recovered. Tokens:
-    sum_tokens (counted), sum_completion and sum_sq_completion (completion lengths of committed
-    and truncated results: the mean and spread reserve.lua uses), truncated_tokens,
-    generated_tokens, wasted_tokens."""
+    """Hash of counters; its fields are ``shared.stats.Stat`` (who writes each is noted there)."""
     return _ds(ds, "stats")
 
 
@@ -120,8 +115,22 @@ def rq_intermediate_key(ds: str) -> str:
     return f"{rq_queue_key(ds)}:intermediate"
 
 
+RQ_JOB_PREFIX = "rq:job:"  # claim.lua gets it in ARGV: it builds job keys from the ids it pops
+
+
 def rq_job_key(job_id: str) -> str:
-    return f"rq:job:{job_id}"
+    return f"{RQ_JOB_PREFIX}{job_id}"
+
+
+def rq_registry_key(ds: str, status: str) -> str:
+    """RQ's registry of a dataset's jobs with this status (finished, failed, canceled):
+    ``rq:<status>:<queue>``, RQ's own naming (what shared.jobs.registry(...).key gives)."""
+    return f"rq:{status}:{queue_name(ds)}"
+
+
+def rq_results_key(job_id: str) -> str:
+    """RQ's stream of a job's results (rq.results.Result)."""
+    return f"rq:results:{job_id}"
 
 
 def budget_keys(ds: str) -> list[str]:

@@ -17,13 +17,15 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 
 from shared import budget, jobs, keys
+from shared.redis_conn import dataset_names
 from shared.scripts import run_many
+from shared.stats import Stat
 
 log = logging.getLogger("budgetq.maintenance")
 
@@ -57,7 +59,7 @@ class Maintenance:
             return None
         report = Report()
         try:
-            for ds in budget.dataset_names(self.conn):
+            for ds in dataset_names(self.conn):
                 self._recover_expired(ds, report)
                 self._requeue_abandoned(ds, report)
                 self._release_leaks(ds, report)
@@ -73,21 +75,22 @@ class Maintenance:
 
     def _recover_expired(self, ds: str, report: Report) -> None:
         now = time.time()
-        members = self.conn.zrangebyscore(keys.rq_wip_key(ds), "-inf", now)
-        calls = [jobs.requeue(ds, m.decode(), job_id_of(m), "recovered", only_if_expired_before=now)
+        members = cast(list[bytes], self.conn.zrangebyscore(keys.rq_wip_key(ds), "-inf", now))
+        calls = [jobs.requeue(ds, m.decode(), job_id_of(m), Stat.RECOVERED, only_if_expired_before=now)
                  for m in members]
         report.recovered += sum(1 for r in run_many(self.conn, calls) if r is True)
 
     def _requeue_abandoned(self, ds: str, report: Report) -> None:
         """A stock RQ worker's cleanup may move our expired jobs to failed as AbandonedJobError."""
-        registry = FailedJobRegistry(keys.queue_name(ds), connection=self.conn, serializer=JSONSerializer)
+        registry = jobs.registry(FailedJobRegistry, ds, self.conn)
         since = self._failed_seen.get(ds, float("-inf"))
-        entries = self.conn.zrangebyscore(registry.key, f"({since}" if since != float("-inf") else "-inf",
-                                          "+inf", withscores=True)
+        entries = cast(list[tuple[bytes, float]],
+                       self.conn.zrangebyscore(registry.key, f"({since}" if since != float("-inf") else "-inf",
+                                               "+inf", withscores=True))
         for member, score in entries:
             self._failed_seen[ds] = max(self._failed_seen.get(ds, float("-inf")), score)
             job_id = member.decode()
-            exc = self.conn.hget(keys.rq_job_key(job_id), "exc_info") or b""
+            exc = cast(bytes | None, self.conn.hget(keys.rq_job_key(job_id), "exc_info")) or b""
             try:
                 exc = zlib.decompress(exc)
             except Exception:  # noqa: BLE001 - stored uncompressed by some RQ versions
@@ -95,16 +98,16 @@ class Maintenance:
             if b"AbandonedJobError" in exc:
                 run_many(self.conn, [budget.release(ds, job_id)])
                 registry.requeue(job_id, at_front=True)
-                self.conn.hincrby(keys.stats_key(ds), "recovered", 1)
+                self.conn.hincrby(keys.stats_key(ds), Stat.RECOVERED, 1)
                 report.abandoned_requeued += 1
 
     def _release_leaks(self, ds: str, report: Report) -> None:
         """A reservation whose job is in no started registry, two passes in a row, is leaked."""
-        held = {k.decode() for k in self.conn.hkeys(keys.resv_key(ds))}
+        held = {k.decode() for k in cast(list[bytes], self.conn.hkeys(keys.resv_key(ds)))}
         if not held:
             self._leak_candidates.pop(ds, None)
             return
-        live = {job_id_of(m) for m in self.conn.zrange(keys.rq_wip_key(ds), 0, -1)}
+        live = {job_id_of(m) for m in cast(list[bytes], self.conn.zrange(keys.rq_wip_key(ds), 0, -1))}
         leaked = held - live
         confirmed = leaked & self._leak_candidates.get(ds, set())
         self._leak_candidates[ds] = leaked - confirmed
@@ -114,7 +117,7 @@ class Maintenance:
                                          if isinstance(r, budget.Release) and r.status is budget.Released.RELEASED)
 
     def _prune_workers(self, report: Report) -> None:
-        for name in self.conn.smembers(keys.WORKERS):
+        for name in cast(set[bytes], self.conn.smembers(keys.WORKERS)):
             if not self.conn.exists(keys.worker_key(name.decode())):
                 self.conn.srem(keys.WORKERS, name)
                 report.workers_pruned += 1

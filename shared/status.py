@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import redis
 from rq.registry import FailedJobRegistry
 
-from shared import keys
+from shared import jobs, keys
 from shared.budget import DatasetState, dataset_state
 from shared.config import Config
 from shared.logs import redact_url
@@ -110,7 +110,7 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
     for n in names:
         pipe.llen(keys.rq_queue_key(n))
         # RQ's failed registry by RQ's own key name; ZCARD = get_job_count(cleanup=False).
-        pipe.zcard(FailedJobRegistry(keys.queue_name(n), connection=conn).key)
+        pipe.zcard(jobs.registry(FailedJobRegistry, n, conn).key)
         pipe.hmget(keys.rate_key(n), [str(f) for f in fields])
     replies = pipe.execute()
     out = []

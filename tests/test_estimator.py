@@ -67,3 +67,16 @@ def test_decode_rate_is_learnt_from_finished_requests():
     assert m.generated_so_far(1.0) == 500.0
     m.observe(2000, 2.0)
     assert abs(m.rate_tok_s - (0.9 * 500 + 0.1 * 1000)) < 1e-9
+
+
+def test_the_expectation_lies_between_what_was_generated_and_the_requests_cap():
+    m = LengthModel()
+    m.set_histogram("D", MAX, _hist(_lognormal(5000)))
+    m.set_running("D", MAX, [2000.0] * 10)
+    prev = 0
+    for g in range(0, MAX + 1, 97):
+        e = m.expected_length("D", g, MAX)
+        assert g <= e <= MAX and e >= prev, (g, e)  # an older request is never expected shorter
+        prev = e
+    for cap in (50, 1000):  # a request's own max_tokens, below the dataset's
+        assert all(min(g, cap) <= m.expected_length("D", g, cap) <= cap for g in range(0, 1200, 37))

@@ -10,7 +10,7 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import keys
+from shared import jobs, keys
 from shared.budget import register_dataset
 from shared.config import DatasetConfig
 from shared.schema import JobPayload, Message
@@ -22,7 +22,7 @@ RETRY = {"backoff_base_s": 0.02, "backoff_max_s": 0.2, "max_attempts": 12, "ejec
 
 
 def _failed(conn, ds: str) -> FailedJobRegistry:
-    return FailedJobRegistry(keys.queue_name(ds), connection=conn, serializer=JSONSerializer)
+    return jobs.registry(FailedJobRegistry, ds, conn)
 
 
 def test_transient_faults_are_retried_and_the_run_completes(tmp_path, redis_url, conn, sim_factory):

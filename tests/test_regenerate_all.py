@@ -20,7 +20,6 @@ from aiohttp import web
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from simulator.local import free_port
 from producer.check import CheckReport, RedisCheck, check_dataset, format_report
 from producer.mapping import row_to_messages, split_turns
 from shared import budget, keys
@@ -29,6 +28,7 @@ from shared.identity import job_id
 from shared.redis_conn import aconnect
 from shared.schema import JobPayload, Message, SamplingParams
 from shared.scripts import run
+from simulator.local import free_port
 from tests.helpers import Procs, check_invariants, holders, rows, run_to_completion, sim_get, wait_for, write_config
 from tests.tiny_tokenizer import make_tiny_tokenizer
 from worker import turns

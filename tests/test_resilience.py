@@ -9,9 +9,8 @@ import time
 import pytest
 import redis
 from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 
-from shared import keys
+from shared import jobs, keys
 from simulator.local import LocalRedis, LocalSim, free_port
 from tests.helpers import Procs, check_invariants, holders, sim_get, wait_for, write_config, write_dataset
 
@@ -101,7 +100,7 @@ def test_sigterm_lets_requests_finish_and_exits_zero(tmp_path, redis_url, conn, 
         log = procs.log(first)
         assert "SIGTERM" in log and "requeueing" in log
         # nothing went to failed; requests in flight finished and were committed
-        failed = FailedJobRegistry(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
+        failed = jobs.registry(FailedJobRegistry, "D", conn)
         assert failed.get_job_count(cleanup=False) == 0
         assert int(conn.hget(keys.stats_key("D"), "committed") or 0) >= 8
         assert conn.zcard(keys.rq_wip_key("D")) == 0 and conn.hlen(keys.resv_key("D")) == 0
@@ -134,7 +133,7 @@ def test_second_sigint_aborts_at_once_and_requeues(tmp_path, redis_url, conn, si
         print(f"second SIGINT to exit: {took:.1f} s (grace 120 s)")
         assert took < 20  # far inside the 120 s grace period
         assert conn.zcard(keys.rq_wip_key("D")) == 0 and conn.hlen(keys.resv_key("D")) == 0
-        failed = FailedJobRegistry(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
+        failed = jobs.registry(FailedJobRegistry, "D", conn)
         assert failed.get_job_count(cleanup=False) == 0
         assert conn.llen(keys.rq_queue_key("D")) == 20  # every job is back on the queue
         wait_for(lambda: sim_get(sim, "/sim/stats")["running"] == 0, 15, "the server to abort the requests")

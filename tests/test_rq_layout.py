@@ -10,7 +10,9 @@ from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegis
 from rq.serializers import JSONSerializer
 
 from shared import jobs, keys
+from shared.jobs import JobEnd, ResultStatus, Skip
 from shared.scripts import run
+from shared.stats import Stat
 
 
 def _setup(conn, n=3):
@@ -40,9 +42,9 @@ def test_finish_records_finished_failed_and_skipped_jobs_as_rq_does(conn):
     q = _setup(conn)
     c0, c1, c2 = run(conn, jobs.claim("D", 3, time.time() + 30, "w1"))
     t0 = time.time()
-    assert run(conn, jobs.finish("D", c0, "finished", t0, "w1", result={"status": "committed"}))
-    assert run(conn, jobs.finish("D", c1, "failed", t0, "w1", error="HTTP 400: too long", stat="failed"))
-    assert run(conn, jobs.finish("D", c2, "canceled", t0, "w1", skipped="budget exhausted", stat="skipped"))
+    assert run(conn, jobs.finish("D", c0, JobEnd.done(ResultStatus.COMMITTED), t0, "w1"))
+    assert run(conn, jobs.finish("D", c1, JobEnd.failed("HTTP 400: too long"), t0, "w1"))
+    assert run(conn, jobs.finish("D", c2, JobEnd.skip(Skip.EXHAUSTED), t0, "w1"))
     name = q.name
     assert StartedJobRegistry(name, connection=conn).get_job_count(cleanup=False) == 0
     assert FinishedJobRegistry(name, connection=conn).get_job_ids(cleanup=False) == ["D-p0"]
@@ -58,8 +60,8 @@ def test_finish_records_finished_failed_and_skipped_jobs_as_rq_does(conn):
     stats = {k.decode(): int(v) for k, v in conn.hgetall(keys.stats_key("D")).items()}
     assert stats == {"failed": 1, "skipped": 1}
     # RQ's own requeue works on what we recorded (retry-failed, a raised budget)
-    FailedJobRegistry(name, connection=conn, serializer=JSONSerializer).requeue("D-p1")
-    CanceledJobRegistry(name, connection=conn, serializer=JSONSerializer).requeue("D-p2")
+    jobs.registry(FailedJobRegistry, "D", conn).requeue("D-p1")
+    jobs.registry(CanceledJobRegistry, "D", conn).requeue("D-p2")
     assert q.get_job_ids() == ["D-p1", "D-p2"]
     assert _fetch(conn, "D-p1").get_status() == JobStatus.QUEUED
 
@@ -67,10 +69,10 @@ def test_finish_records_finished_failed_and_skipped_jobs_as_rq_does(conn):
 def test_only_the_holder_records_an_ending_and_requeue_puts_a_job_back_in_front(conn):
     q = _setup(conn)
     (c0,) = run(conn, jobs.claim("D", 1, time.time() + 30, "w1"))
-    assert run(conn, jobs.requeue("D", c0.member, c0.job_id, "recovered"))
+    assert run(conn, jobs.requeue("D", c0.member, c0.job_id, Stat.RECOVERED))
     assert q.get_job_ids()[0] == "D-p0" and _fetch(conn, "D-p0").get_status() == JobStatus.QUEUED
     # the old holder's lease is gone: its late ending writes nothing
-    assert not run(conn, jobs.finish("D", c0, "finished", time.time(), "w1", result={}))
+    assert not run(conn, jobs.finish("D", c0, JobEnd.done(ResultStatus.COMMITTED), time.time(), "w1"))
     assert FinishedJobRegistry(q.name, connection=conn).get_job_count(cleanup=False) == 0
     assert not run(conn, jobs.requeue("D", c0.member, c0.job_id))  # nothing to requeue twice
     assert q.count == 3

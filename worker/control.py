@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+
+import redis.asyncio as aredis
 
 from shared import budget, keys
 from shared.budget import DatasetState
-
-if TYPE_CHECKING:
-    from worker.jobflow import Tracked
-    from worker.runner import ConcurrentWorker
+from shared.redis_conn import text
+from shared.scripts import Batcher
+from worker.estimator import LengthModel
+from worker.tracked import Abort, JobTable, Phase, Tracked
 
 log = logging.getLogger("budgetq.worker")
 # Only refine reservations once this many lengths are known for a dataset.
@@ -27,8 +28,14 @@ MIN_SAMPLES = 20
 
 
 class Control:
-    def __init__(self, w: ConcurrentWorker) -> None:
-        self.w = w
+    def __init__(self, aconn: aredis.Redis, batch: Batcher, length: LengthModel, jobs: JobTable,
+                 wake: asyncio.Event, taper_estimate: str) -> None:
+        self._aconn = aconn
+        self._batch = batch
+        self._length = length
+        self._jobs = jobs       # read only: to abort requests and refine their reservations
+        self._wake = wake       # set when a dataset becomes claimable again
+        self._taper = taper_estimate
         self.states: dict[str, DatasetState] = {}
         self._paused: set[str] = set()
         self._waiting: set[str] = set()
@@ -51,7 +58,7 @@ class Control:
 
     def clear_waiting(self, ds: str) -> None:
         self._waiting.discard(ds)
-        self.w.wake.set()
+        self._wake.set()
 
     def gate(self, ds: str) -> asyncio.Lock:
         return self._gates.setdefault(ds, asyncio.Lock())
@@ -73,28 +80,24 @@ class Control:
 
     def budget_crossed(self, ds: str) -> None:
         """Our commit crossed a soft budget: every admission was withdrawn, so drop our requests."""
-        self._abort(ds, "budget")
+        self._abort(ds, Abort.BUDGET)
 
-    def _abort(self, ds: str, reason: str) -> None:
-        from worker.jobflow import Phase
-
-        doomed = [t for t in self.w.jobs.values() if t.ds == ds and t.phase is Phase.SENDING]
+    def _abort(self, ds: str, reason: Abort) -> None:
+        doomed = [t for t in self._jobs.values() if t.ds == ds and t.phase is Phase.SENDING]
         for t in doomed:
             t.cancel(reason)
         if doomed:
-            log.info("dataset %s: aborting %d requests in flight (%s)", ds, len(doomed), reason)
+            log.info("dataset %s: aborting %d requests in flight (%s)", ds, len(doomed), reason.value)
 
     # -- the periodic refresh -------------------------------------------------------------
     async def tick(self) -> None:
-        from worker.jobflow import Phase
-
-        names = sorted(n.decode() for n in await self.w.aconn.smembers(keys.DATASETS))
+        names = sorted(text(n) for n in await self._aconn.smembers(keys.DATASETS))
         self.round_trips += 2
-        sending: dict[str, list] = {}
-        for t in self.w.jobs.values():
+        sending: dict[str, list[Tracked]] = {}
+        for t in self._jobs.values():
             if t.phase is Phase.SENDING:
                 sending.setdefault(t.ds, []).append(t)
-        async with self.w.aconn.pipeline(transaction=False) as p:
+        async with self._aconn.pipeline(transaction=False) as p:
             for n in names:
                 budget.queue_state_commands(p, n)
                 p.hgetall(keys.hist_key(n))
@@ -107,13 +110,13 @@ class Control:
             st = budget.parse_state(n, chunk[:budget.STATE_REPLIES])
             states[n] = st
             hist = chunk[budget.STATE_REPLIES]
-            self.w.length.set_histogram(n, st.max_tokens, hist)
+            self._length.set_histogram(n, st.max_tokens, hist)
             self._react(st)
             # A request whose admission ticket is gone (budget crossed in another worker,
             # withdrawn by an operator, or its lease lost) can no longer count: drop it.
             gone = [t for t, held in zip(sending.get(n, []), chunk[-1], strict=False) if held is None]
             for t in gone:
-                t.cancel("withdrawn")
+                t.cancel(Abort.WITHDRAWN)
             if gone:
                 log.info("dataset %s: aborting %d requests in flight whose admission was withdrawn", n, len(gone))
         self.states = states
@@ -125,38 +128,38 @@ class Control:
             self._paused.add(ds)
         elif ds in self._paused:
             self._paused.discard(ds)
-            self.w.wake.set()
+            self._wake.set()
         if ds in self._waiting:
             self.room_freed(ds)  # commits in other workers may have made room: ask again
 
     async def _refine_reservations(self) -> None:
         """Raise each long-running request's reservation to its expected final length."""
-        from worker.jobflow import Phase
-
         now = time.monotonic()
         refine = {ds for ds, st in self.states.items()
-                  if st.mode == "soft" and self.w.length.samples(ds) >= MIN_SAMPLES}
+                  if st.mode == "soft" and self._length.samples(ds) >= MIN_SAMPLES}
         running: dict[str, list[tuple[Tracked, float]]] = {}
-        for t in self.w.jobs.values():
+        for t in self._jobs.values():
             if t.phase is Phase.SENDING and t.ds in refine:
-                running.setdefault(t.ds, []).append((t, self.w.length.generated_so_far(now - t.admitted_at)))
+                running.setdefault(t.ds, []).append((t, self._length.generated_so_far(now - t.admitted_at)))
         # Requests in flight are lengths known to be at least g (censored): without them the
         # estimate leans on the short answers that finished first. Other workers' requests are
         # like ours: each of ours stands for in_flight / ours of them.
-        if self.w.cfg.worker.taper_estimate == "censored":
+        if self._taper == "censored":
             for ds, mine in running.items():
                 st = self.states[ds]
-                self.w.length.set_running(ds, st.max_tokens, (g for _t, g in mine),
-                                          weight=max(1.0, st.in_flight / len(mine)))
+                self._length.set_running(ds, st.max_tokens, (g for _t, g in mine),
+                                         weight=max(1.0, st.in_flight / len(mine)))
         per_ds: dict[str, dict[str, int]] = {}
         for ds, mine in running.items():
             st = self.states[ds]
             for t, gen in mine:
-                want = self.w.length.expected_length(ds, gen, t.payload.sampling.max_tokens)
+                if t.payload is None:  # cannot be SENDING without one; keeps the type checker sure
+                    continue
+                want = self._length.expected_length(ds, gen, t.payload.sampling.max_tokens)
                 if st.count == "total":
                     want += t.prompt_tokens
                 if want > t.reserved:
                     per_ds.setdefault(ds, {})[t.claimed.job_id] = want
                     t.reserved = want
         if per_ds:
-            await asyncio.gather(*[self.w.batch(budget.adjust(ds, pairs)) for ds, pairs in per_ds.items()])
+            await asyncio.gather(*[self._batch(budget.adjust(ds, pairs)) for ds, pairs in per_ds.items()])

@@ -6,6 +6,7 @@ import asyncio
 
 from shared import budget
 from shared.budget import Admission
+from shared.jobs import ResultStatus
 from shared.schema import JobPayload, Message, ResultRow
 from shared.scripts import arun
 from worker import turns
@@ -76,7 +77,7 @@ async def run_one(payload: JobPayload, job_id: str, conn, client: SGLangClient) 
             break
         await asyncio.sleep(WAIT_POLL_S)
     if res.status is Admission.DONE:
-        return {"status": "already_done"}
+        return {"status": ResultStatus.ALREADY_DONE.value}
     if res.status in (Admission.EXHAUSTED, Admission.PAUSED):
         return {"status": "skipped", "reason": res.status.value.lower()}
     try:

@@ -1,4 +1,5 @@
-"""The concurrent worker: many RQ jobs in flight in one asyncio process.
+"""The concurrent worker: many RQ jobs in flight in one asyncio process. This module schedules;
+what happens to a job is decided in worker/jobflow.py.
 
 Jobs are claimed in batches (claim.lua: queue -> started registry, atomically), each job
 runs as a task (worker/jobflow.py), and every script call of all tasks (reserve, commit,
@@ -19,10 +20,13 @@ import signal
 import socket
 import time
 import uuid
-from collections import Counter
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import aiohttp
+import redis.asyncio as aredis
+from rq import Worker
 
 from shared import jobs, keys
 from shared.config import Config
@@ -31,11 +35,15 @@ from shared.maintenance import Maintenance
 from shared.redis_conn import aconnect, await_ready, connect, explain
 from shared.retry import REDIS_DOWN, retry_redis
 from shared.scripts import Batcher
+from shared.stats import Stat
 from worker import rq_adapter
+from worker.context import JobContext, Slots
 from worker.control import Control
 from worker.estimator import LengthModel
-from worker.jobflow import Phase, Tracked, run_job
+from worker.jobflow import run_job
+from worker.recorder import Recorder
 from worker.sglang_client import SGLangClient
+from worker.tracked import Abort, JobTable, Phase, Tracked
 
 log = logging.getLogger("budgetq.worker")
 CLAIM_BATCH = 64
@@ -45,25 +53,7 @@ FLUSH_INTERVAL_S = 0.5
 # What it could not clean up in time (Redis hung or down) comes back through the job leases.
 CLOSE_S = 10.0
 FORCED_EXIT_S = 5.0
-
-
-class _Slots(asyncio.Semaphore):
-    """The server-slot semaphore, also counting how many are held (and the peak)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__(n)
-        self.held = 0
-        self.peak = 0
-
-    async def acquire(self) -> bool:
-        await super().acquire()
-        self.held += 1
-        self.peak = max(self.peak, self.held)
-        return True
-
-    def release(self) -> None:
-        self.held -= 1
-        super().release()
+T = TypeVar("T")
 
 
 class ConcurrentWorker:
@@ -77,16 +67,12 @@ class ConcurrentWorker:
         self.conn = connect(cfg.redis_url)
         # Jobs claimed ahead of a free server slot, so a slot refills at once.
         self.prefetch = concurrency // 4 + 4
-        self.slots = _Slots(concurrency)
-        self.jobs: dict[str, Tracked] = {}     # registry member -> job being handled
+        self.slots = Slots(concurrency)
+        self.jobs: JobTable = {}
         self.length = LengthModel()
-        self.control = Control(self)
-        self.processed = 0
-        # Redis round trips outside the batcher (bookkeeping, heartbeats, control, status);
-        # with batcher.round_trips, the orchestration cost per prompt (bench/orchestration.py).
+        # Redis round trips outside the batcher (heartbeats, status); with the batcher's, the
+        # recorder's and control's, the orchestration cost per prompt (bench/orchestration.py).
         self.other_round_trips = 0
-        self.outcomes: Counter[str] = Counter()
-        self.stat_incr: Counter[tuple[str, str]] = Counter()
         self.stopping = asyncio.Event()
         self.forced = False
         self._stop_at: float | None = None     # monotonic time of the first / second signal
@@ -94,39 +80,52 @@ class ConcurrentWorker:
         # True when the exit deadline passed with calls still blocked on Redis in threads: the
         # CLI then exits without joining them (they would hold the exit until their socket timeout).
         self.abandoned = False
-        self.rq_worker = None
+        self.rq_worker: Worker | None = None
         self.wake = asyncio.Event()
         self._rotation = 0
         # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="bq-rq")
 
+    # Built in run(), where there is an event loop: the connections, the HTTP session, and the
+    # one JobContext every job gets (the only part of the worker a job can reach).
+    aconn: aredis.Redis
+    batch: Batcher
+    session: aiohttp.ClientSession
+    client: SGLangClient
+    control: Control
+    recorder: Recorder
+    maintenance: Maintenance
+    ctx: JobContext
+
+    def _build(self) -> None:
+        self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8))
+        self.batch = Batcher(self.aconn)
+        self.maintenance = Maintenance(self.conn, self.cfg.worker.maintenance_interval_s)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        self.recorder = Recorder(self.batch, self.aconn, self.name)
+        self.client = SGLangClient(self.session, self.cfg.server,
+                                   on_retry=lambda ds: self.recorder.count(ds, Stat.RETRIED))
+        self.control = Control(self.aconn, self.batch, self.length, self.jobs, self.wake,
+                               self.cfg.worker.taper_estimate)
+        self.ctx = JobContext(batch=self.batch, client=self.client, slots=self.slots, length=self.length,
+                              control=self.control, recorder=self.recorder, jobs=self.jobs, wake=self.wake)
+
     @property
     def round_trips(self) -> int:
-        return self.batch.round_trips + self.other_round_trips + self.control.round_trips
+        return (self.batch.round_trips + self.other_round_trips + self.control.round_trips
+                + self.recorder.round_trips)
+
+    @property
+    def processed(self) -> int:
+        return self.recorder.processed if hasattr(self, "recorder") else 0
 
     @property
     def in_flight_peak(self) -> int:
         """Most requests this process had at the server at once."""
         return self.slots.peak
 
-    async def sync(self, fn, *args):
+    async def sync(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
-
-    def count(self, ds: str, field: str, by: int = 1) -> None:
-        self.stat_incr[(ds, field)] += by
-
-    async def end(self, t: Tracked, status: str, result: dict | None = None, *, error: str = "",
-                  skipped: str = "", stat: str = "") -> bool:
-        """Record how a job ended (RQ status finished, failed or canceled) and count it; one
-        script call, coalesced with the others of this loop turn. False if we no longer hold
-        the job (its lease ran out and it was requeued): its new holder records it."""
-        call = jobs.finish(t.ds, t.claimed, status, t.started_at, self.name, result=result, error=error,
-                           skipped=skipped, stat=stat)
-        recorded = await retry_redis(lambda: self.batch(call), f"finish {t.claimed.job_id}", give_up_after_s=60)
-        if recorded:
-            self.processed += 1
-            self.outcomes[(result or {}).get("status", status)] += 1
-        return recorded
 
     # -- signals -------------------------------------------------------------------------
     def _on_signal(self, signame: str) -> None:
@@ -171,7 +170,7 @@ class ConcurrentWorker:
                     for c in claimed:
                         t = Tracked(c, ds)
                         self.jobs[c.member] = t
-                        t.task = asyncio.create_task(run_job(self, t))
+                        t.task = asyncio.create_task(run_job(self.ctx, t))
                         got += 1
             if got:
                 idle = 0
@@ -186,7 +185,7 @@ class ConcurrentWorker:
                 pass
 
     # -- background loops ----------------------------------------------------------------
-    async def _every(self, interval_s: float, fn, what: str) -> None:
+    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], what: str) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -197,6 +196,7 @@ class ConcurrentWorker:
                 log.exception("worker %s: %s failed", self.name, what)
 
     async def _heartbeat(self) -> None:
+        assert self.rq_worker is not None  # the loops start after registration
         leases = [(t.ds, t.claimed.member, t.claimed.job_id) for t in self.jobs.values()]
         self.other_round_trips += 1
         await self.sync(rq_adapter.heartbeat, self.conn, self.rq_worker, leases, self.ttl)
@@ -204,24 +204,9 @@ class ConcurrentWorker:
     async def _maintain(self) -> None:
         await self.sync(self.maintenance.run_once)
 
-    async def flush(self) -> None:
-        """Write the stats counters gathered outside job endings (retries)."""
-        if not self.stat_incr:
-            return
-        incr, self.stat_incr = self.stat_incr, Counter()
-        try:
-            async with self.aconn.pipeline(transaction=False) as p:
-                for (ds, field), n in incr.items():
-                    p.hincrby(keys.stats_key(ds), field, n)
-                await p.execute()
-            self.other_round_trips += 1
-        except BaseException:
-            self.stat_incr.update(incr)  # keep them for the next try
-            raise
-
     async def _publish(self) -> None:
         """This worker's line in `budgetq status`: in flight, processed, endpoints' health."""
-        fields = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
+        fields: dict[Any, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
                   "concurrency": self.concurrency, "in_flight": self.slots.held, "claimed": len(self.jobs),
                   "processed": self.processed, "endpoints": json.dumps(self.client.pool.snapshot()),
                   "round_trips": self.round_trips}
@@ -237,7 +222,7 @@ class ConcurrentWorker:
         """Requeue what has not started, give requests in flight the grace period, requeue the rest."""
         for t in list(self.jobs.values()):
             if t.phase in (Phase.PENDING, Phase.PARKED):
-                t.cancel("shutdown")
+                t.cancel(Abort.SHUTDOWN)
         deadline = time.monotonic() + self.grace_s
         while self.jobs and not self.forced and time.monotonic() < deadline:
             self.wake.clear()
@@ -248,7 +233,7 @@ class ConcurrentWorker:
         if self.jobs:
             log.warning("worker %s: requeueing %d jobs still in flight", self.name, len(self.jobs))
         for t in list(self.jobs.values()):
-            t.cancel("shutdown", force=True)
+            t.cancel(Abort.SHUTDOWN, force=True)
         tasks = [t.task for t in self.jobs.values() if t.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=CLOSE_S / 2)
@@ -259,14 +244,10 @@ class ConcurrentWorker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig.name)
         self._started_at = time.time()
-        self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8))
-        self.batch = Batcher(self.aconn)
-        self.maintenance = Maintenance(self.conn, self.cfg.worker.maintenance_interval_s)
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
-        self.client = SGLangClient(self.session, self.cfg.server, on_retry=lambda ds: self.count(ds, "retried"))
+        self._build()
         rc = await self._supervise(asyncio.create_task(self._main()))
         log.info("worker %s: exited after %d jobs (%s; peak %d in flight; %d redis round trips)", self.name,
-                 self.processed, ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())) or "none",
+                 self.processed, ", ".join(f"{k} {v}" for k, v in sorted(self.recorder.outcomes.items())) or "none",
                  self.in_flight_peak, self.round_trips)
         return rc
 
@@ -277,7 +258,7 @@ class ConcurrentWorker:
             return self._stop_at + self.grace_s + CLOSE_S
         return None
 
-    async def _supervise(self, main: asyncio.Task) -> int:
+    async def _supervise(self, main: asyncio.Task[int]) -> int:
         """Wait for the worker's main task; past the exit deadline of a stop request, cut it short."""
         while True:
             done, _ = await asyncio.wait({main}, timeout=0.25)
@@ -321,7 +302,7 @@ class ConcurrentWorker:
                 self._every(self.cfg.worker.control_interval_s, self.control.tick, "control"),
                 self._every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat"),
                 self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
-                self._every(FLUSH_INTERVAL_S, self.flush, "stats"),
+                self._every(FLUSH_INTERVAL_S, self.recorder.flush, "stats"),
                 self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
             )]
             try:
@@ -341,13 +322,13 @@ class ConcurrentWorker:
             await self._close_local()
             return
         deadline = time.monotonic() + CLOSE_S
-        while self.stat_incr and time.monotonic() < deadline:
+        while self.recorder.pending and time.monotonic() < deadline:
             try:
-                await asyncio.wait_for(self.flush(), timeout=max(0.1, deadline - time.monotonic()))
+                await asyncio.wait_for(self.recorder.flush(), timeout=max(0.1, deadline - time.monotonic()))
             except (*REDIS_DOWN, TimeoutError) as exc:
                 if time.monotonic() + 0.5 >= deadline:
                     log.error("worker %s: could not record %d stats counters: %s", self.name,
-                              sum(self.stat_incr.values()), exc)
+                              sum(self.recorder.pending.values()), exc)
                     break
                 await asyncio.sleep(0.5)
         try:

@@ -3,7 +3,8 @@
 -- registry (rq:wip) with a lease, and the maintenance pass requeues it once the lease ends.
 -- KEYS: 1 RQ queue list  2 RQ started registry (zset of "<job id>:<execution id>")
 -- ARGV: 1 how many  2 lease end (unix seconds)  3 execution id prefix (unique per call)
---       4 now as RQ formats dates  5 worker name
+--       4 now as RQ formats dates  5 worker name  6 RQ job hash key prefix (keys.RQ_JOB_PREFIX)
+--       7 RQ's status of a started job (JobStatus.STARTED)
 -- Returns a list of {job id, execution id, the job's data field (RQ's zlib-compressed,
 -- serialized call)}; a job whose hash has vanished (deleted by an operator) is skipped.
 local ids = redis.call('LPOP', KEYS[1], tonumber(ARGV[1]))
@@ -12,11 +13,11 @@ if not ids then
 end
 local out = {}
 for i, id in ipairs(ids) do
-  local job_key = 'rq:job:' .. id
+  local job_key = ARGV[6] .. id
   if redis.call('EXISTS', job_key) == 1 then
     local exec = ARGV[3] .. i
     redis.call('ZADD', KEYS[2], ARGV[2], id .. ':' .. exec)
-    redis.call('HSET', job_key, 'status', 'started', 'started_at', ARGV[4], 'last_heartbeat', ARGV[4],
+    redis.call('HSET', job_key, 'status', ARGV[7], 'started_at', ARGV[4], 'last_heartbeat', ARGV[4],
                'worker_name', ARGV[5])
     out[#out + 1] = {id, exec, redis.call('HGET', job_key, 'data')}
   end

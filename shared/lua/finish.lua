@@ -11,7 +11,8 @@
 --       9 exc_string (base64 zlib) or ''  10 worker name  11 execution id
 --       12 execution started_at (unix s)  13 execution ended_at (unix s)
 --       14 exc_info for the job hash (zlib) or ''  15 meta for the job hash (JSON) or ''
---       16 stats field to count or ''
+--       16 stats field to count (shared.stats.ENDING_STATS) or ''
+--       17 most entries kept in the result stream (shared.jobs.RESULT_STREAM_MAXLEN)
 -- Returns 1 if recorded, 0 if this caller no longer holds the job.
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
   return 0
@@ -34,7 +35,7 @@ if ARGV[7] ~= '0' then
     fields[#fields + 1] = 'exc_string'
     fields[#fields + 1] = ARGV[9]
   end
-  redis.call('XADD', KEYS[4], 'MAXLEN', '10', '*', unpack(fields))
+  redis.call('XADD', KEYS[4], 'MAXLEN', ARGV[17], '*', unpack(fields))
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
 end
 if ARGV[16] ~= '' then

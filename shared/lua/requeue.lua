@@ -3,8 +3,10 @@
 -- for jobs whose lease ended (their worker died).
 -- KEYS: 1 RQ started registry  2 RQ queue list  3 RQ job hash  4 resv  5 reserved  6 stats
 -- ARGV: 1 registry member "<job id>:<execution id>"  2 job id  3 stats field to count
---       (requeued | recovered)  4 if not empty: only when the lease ended before this time
+--       (shared.stats.REQUEUE_STATS: requeued | recovered)
+--       4 if not empty: only when the lease ended before this time
 --       (unix seconds), so a lease renewed meanwhile is left alone
+--       5 RQ's status of a queued job (JobStatus.QUEUED)
 -- Returns 1 if requeued, 0 if the member was already gone or its lease was renewed.
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score then
@@ -20,7 +22,7 @@ if held then
   redis.call('DECRBY', KEYS[5], tonumber(held))
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HSET', KEYS[3], 'status', 'queued')
+  redis.call('HSET', KEYS[3], 'status', ARGV[5])
   redis.call('LPUSH', KEYS[2], ARGV[2])
 end
 redis.call('HINCRBY', KEYS[6], ARGV[3], 1)

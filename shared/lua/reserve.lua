@@ -4,9 +4,11 @@
 -- ARGV: 1 job id  2 max_tokens of this request  3 prompt tokens (counted only when
 --       conf.count == 'total'; 0 if unknown; with several requests, summed over them
 --       without the answers)  4 requests the job sends (regenerate: all: one per user
---       turn; default 1). The reservation covers them all: strict reserves requests x
---       max_tokens, soft requests x the mean per request; with count = total, each request
---       also carries the earlier answers in its prompt: requests x (requests - 1) / 2 answers.
+--       turn). The reservation covers them all: strict reserves requests x max_tokens, soft
+--       requests x the mean per request; with count = total, each request also carries the
+--       earlier answers in its prompt: requests x (requests - 1) / 2 answers.
+--       5 results before the running mean may go below the prior (budget.PRIOR_UNTIL)
+--       6 results before the end-game margin applies (budget.MARGIN_AFTER)
 -- Returns {status, tokens_reserved}; status is one of
 --   ADMIT      reservation written (or already held by this job: idempotent on retry)
 --   DONE       the prompt was already committed: do not send it again
@@ -18,12 +20,14 @@
 local job = ARGV[1]
 local max_tokens = tonumber(ARGV[2])
 local prompt_tokens = tonumber(ARGV[3] or '0')
-local requests = tonumber(ARGV[4] or '1')
+local requests = tonumber(ARGV[4])
 -- count = total: earlier answers sent again as context, in answers (0 for one request)
 local context_answers = requests * (requests - 1) / 2
 -- strict's bound on an answer sent back as context: its tokens (never more than generated,
 -- reasoning is not sent back) plus what re-tokenizing its text may add
 local ANSWER_SLACK = 8
+local prior_until = tonumber(ARGV[5])
+local margin_after = tonumber(ARGV[6])
 if redis.call('SISMEMBER', KEYS[5], job) == 1 then
   return {'DONE', 0}
 end
@@ -71,13 +75,13 @@ else
   local in_flight = redis.call('HLEN', KEYS[3])
   if n > 0 then
     local m = tonumber(stats[3] or '0') / n
-    if n >= 50 or m > mean then mean = m end
+    if n >= prior_until or m > mean then mean = m end
     -- The end game: the requests in flight will produce about their reservations in all,
     -- give or take sd * sqrt(in flight + 1). Keeping end_margin_z of that spread free means
     -- the crossing comes with few requests still running, so few are aborted (waste), at
     -- the cost of a slower last few percent. Far from the budget it changes nothing.
     local z = tonumber(conf[6] or '0')
-    if z > 0 and n >= 20 then
+    if z > 0 and n >= margin_after then
       local var = tonumber(stats[4] or '0') / n - m * m
       if var > 0 then margin = z * math.sqrt(var * (in_flight + 1)) end
     end

@@ -1,0 +1,67 @@
+"""The layout of a dataset's two hashes, ``keys.conf_key`` and ``keys.stats_key``, documented once.
+
+Both are written from Lua (shared/lua/*.lua) and from Python. Field names are members of
+``Conf`` and ``Stat`` (StrEnums, so a member *is* its field name on the wire); the Lua
+scripts spell them as literals, and tests/test_stats_layout.py parses every script and
+checks that each field a script reads or writes on these hashes is a member here, and that
+Python modules write only members. A field added anywhere without being added here fails it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Conf(enum.StrEnum):
+    """Fields of ``conf_key(ds)``: a dataset's settings (written by the producer and operators)."""
+
+    LIMIT = "limit"                  # the token budget; reserve.lua / commit.lua compare used to it
+    MODE = "mode"                    # soft | strict | drain (reserve.lua's admission policy)
+    COUNT = "count"                  # completion | total: what a result adds to used
+    KEEP = "keep"                    # all | complete: complete sets results cut by max_tokens aside
+    PAUSED = "paused"                # "1" while an operator paused the dataset
+    PRIOR_MEAN = "prior_mean"        # expected length before enough results are in
+    MAX_TOKENS = "max_tokens"        # per-request cap; also the histogram's range (commit.lua)
+    END_MARGIN_Z = "end_margin_z"    # reserve.lua's end-game margin, in standard deviations
+    ABORT_EPOCH = "abort_epoch"      # bumped by withdraw.lua (operator's --abort-in-flight)
+    REGISTERED_AT = "registered_at"  # unix seconds of the last register_dataset
+    ID_SCHEME = "id_scheme"          # job-id scheme of the dataset (shared/identity.py)
+
+
+class Stat(enum.StrEnum):
+    """Fields of ``stats_key(ds)``: counters, only ever incremented (HINCRBY).
+
+    Who writes each is noted; "ending" ones are counted by finish.lua as a job ends
+    (shared/jobs.py's ``finish(..., stat=)``), "requeue" ones by requeue.lua.
+    """
+
+    # -- jobs
+    COMMITTED = "committed"            # commit.lua, adopt.lua: results counted toward the budget
+    TRUNCATED = "truncated"            # commit.lua, adopt.lua: cut by max_tokens, kept aside (keep: complete)
+    DUPLICATE = "duplicate"            # commit.lua: the prompt was already committed
+    REJECTED = "rejected"              # commit.lua: result arrived after its admission was withdrawn
+    WITHDRAWN = "withdrawn"            # commit.lua (crossing), withdraw.lua: admissions cancelled
+    SKIPPED = "skipped"                # ending: budget exhausted or admission withdrawn, never sent
+    ABORTED = "aborted"                # ending: cancelled while at the server
+    FAILED = "failed"                  # ending: the request failed (or its payload was unreadable)
+    ALREADY_DONE = "already_done"      # ending: another copy of the job had committed it
+    EXTRA_REQUESTS = "extra_requests"  # commit.lua: requests beyond one per result (regenerate: all), so
+                                       # reserve.lua's mean stays per request
+    REQUEUED = "requeued"              # requeue: shutdown or paused dataset
+    RECOVERED = "recovered"            # requeue / maintenance: lease ran out (worker died)
+    RETRIED = "retried"                # worker: one retry of a request (worker/sglang_client.py)
+    RETRIED_FAILED = "retried_failed"  # operator: `budgetq retry-failed` (shared/control.py)
+    INVALID = "invalid"                # producer: an input row that cannot become a job
+    # -- tokens
+    SUM_TOKENS = "sum_tokens"                # commit.lua, adopt.lua: tokens counted (= used, absent adjustments)
+    SUM_COMPLETION = "sum_completion"        # commit.lua, adopt.lua: completion lengths of committed+truncated
+    SUM_SQ_COMPLETION = "sum_sq_completion"  # their squares: reserve.lua's end-game spread
+    TRUNCATED_TOKENS = "truncated_tokens"    # commit.lua: tokens of truncated results
+    GENERATED_TOKENS = "generated_tokens"    # commit.lua, release.lua: everything the servers generated
+    WASTED_TOKENS = "wasted_tokens"          # commit.lua, release.lua: generated for no kept row
+
+
+# Counted by the Lua scripts from a field name passed in ARGV (finish.lua ARGV[16],
+# requeue.lua ARGV[3]) rather than spelled in the script.
+ENDING_STATS = frozenset({Stat.SKIPPED, Stat.ABORTED, Stat.FAILED, Stat.ALREADY_DONE})
+REQUEUE_STATS = frozenset({Stat.REQUEUED, Stat.RECOVERED})

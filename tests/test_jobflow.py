@@ -1,0 +1,147 @@
+"""The job flow on its own: a JobContext around a private Redis and a stand-in for the SGLang
+client, so each ending (committed, failed, aborted in flight, requeued on shutdown) is checked
+fast and without a worker process. RQ's own API reads the results back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aredis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry
+from rq.serializers import JSONSerializer
+
+from shared import budget, jobs, keys
+from shared.config import DatasetConfig
+from shared.errors import FatalRequestError
+from shared.jobs import Skip
+from shared.schema import JobPayload, Message, SamplingParams
+from shared.scripts import Batcher
+from worker.context import JobContext, Slots
+from worker.control import Control
+from worker.estimator import LengthModel
+from worker.jobflow import run_job
+from worker.recorder import Recorder
+from worker.sglang_client import Completion
+from worker.tracked import Abort, Phase, Tracked
+
+
+class FakeClient:
+    """Answers like SGLangClient.complete: at once, after ``release`` is set, or with an error."""
+
+    model = "fake"
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.release.set()
+        self.fail: set[str] = set()
+
+    async def complete(self, payload: JobPayload, job_id: str) -> Completion:
+        await self.release.wait()
+        if job_id in self.fail:
+            raise FatalRequestError("HTTP 400: prompt too long")
+        return Completion("answer", None, 5, 12, "stop", "http://fake", 0.01)
+
+
+def _enqueue(conn, payloads: list[dict]) -> None:
+    budget.register_dataset(conn, DatasetConfig(name="D", path="x", budget=10**6, sampling={"max_tokens": 64},
+                                                prior_mean_tokens=10))
+    q = Queue(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
+    for i, p in enumerate(payloads):
+        q.enqueue("worker.job.run_prompt", p, job_id=f"D-p{i}")
+
+
+def _payload(i: int) -> dict:
+    return JobPayload(id=f"p{i}", dataset="D", messages=[Message(role="user", content=f"q{i}")],
+                      sampling=SamplingParams(max_tokens=64)).model_dump(mode="json")
+
+
+async def _flow(redis_url: str, n: int, client: FakeClient, act=None) -> tuple[Recorder, list[Tracked], dict]:
+    """Claim n jobs and run each through run_job; ``act(tracked)`` runs while they are in flight."""
+    aconn = aredis.from_url(redis_url)
+    try:
+        batch = Batcher(aconn)
+        table: dict[str, Tracked] = {}
+        wake = asyncio.Event()
+        length = LengthModel()
+        recorder = Recorder(batch, aconn, "w-test")
+        control = Control(aconn, batch, length, table, wake, "censored")
+        await control.tick()
+        ctx = JobContext(batch=batch, client=client, slots=Slots(8), length=length,  # type: ignore[arg-type]
+                         control=control, recorder=recorder, jobs=table, wake=wake)
+        claimed = await batch(jobs.claim("D", n, time.time() + 60, "w-test"))
+        tracked = [Tracked(c, "D") for c in claimed]
+        for t in tracked:
+            table[t.claimed.member] = t
+            t.task = asyncio.create_task(run_job(ctx, t))
+        if act is not None:
+            await act(tracked)
+        await asyncio.wait_for(asyncio.gather(*[t.task for t in tracked if t.task]), 10)
+        return recorder, tracked, table
+    finally:
+        await aconn.aclose()
+
+
+def _stats(conn) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in conn.hgetall(keys.stats_key("D")).items()}
+
+
+def test_each_job_ends_once_in_the_registry_its_ending_names(conn, redis_url):
+    _enqueue(conn, [_payload(0), {"id": "p1", "bogus": True}, _payload(2)])
+    client = FakeClient()
+    client.fail.add("D-p2")
+    recorder, _tracked, table = asyncio.run(_flow(redis_url, 3, client))
+
+    assert recorder.processed == 3 and not table
+    assert dict(recorder.outcomes) == {"committed": 1, "failed": 2}
+    assert jobs.registry(FinishedJobRegistry, "D", conn).get_job_ids(cleanup=False) == ["D-p0"]
+    assert sorted(jobs.registry(FailedJobRegistry, "D", conn).get_job_ids(cleanup=False)) == ["D-p1", "D-p2"]
+    result = Job.fetch("D-p0", connection=conn, serializer=JSONSerializer).latest_result()
+    assert result is not None and result.return_value == {"status": "committed", "completion_tokens": 12}
+    stats = _stats(conn)
+    assert stats["committed"] == 1 and stats["failed"] == 2
+    assert conn.hlen(keys.resv_key("D")) == 0 and int(conn.get(keys.reserved_key("D")) or 0) == 0
+
+
+@pytest.mark.parametrize("reason", [Abort.BUDGET, Abort.WITHDRAWN])
+def test_a_request_aborted_in_flight_is_released_and_recorded_with_its_reason(conn, redis_url, reason):
+    _enqueue(conn, [_payload(0)])
+    client = FakeClient()
+    client.release.clear()  # the request stays at the "server"
+
+    async def abort(tracked: list[Tracked]) -> None:
+        (t,) = tracked
+        while t.phase is not Phase.SENDING:
+            await asyncio.sleep(0.005)
+        assert conn.hexists(keys.resv_key("D"), "D-p0")  # admitted: it holds a reservation
+        t.cancel(reason)
+
+    recorder, _tracked, table = asyncio.run(_flow(redis_url, 1, client, abort))
+    assert recorder.processed == 1 and not table
+    job = Job.fetch("D-p0", connection=conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.CANCELED and job.get_meta()["skipped"] == reason.skip.value
+    assert reason.skip in (Skip.ABORTED_BUDGET, Skip.ABORTED_WITHDRAWN)
+    assert jobs.registry(CanceledJobRegistry, "D", conn).get_job_ids(cleanup=False) == ["D-p0"]
+    assert _stats(conn).get("aborted") == 1 and conn.hlen(keys.resv_key("D")) == 0
+
+
+def test_a_job_cancelled_for_shutdown_goes_back_to_the_front_of_its_queue(conn, redis_url):
+    _enqueue(conn, [_payload(0), _payload(1)])
+    client = FakeClient()
+    client.release.clear()
+
+    async def stop(tracked: list[Tracked]) -> None:
+        while not all(t.phase is Phase.SENDING for t in tracked):
+            await asyncio.sleep(0.005)
+        for t in tracked:
+            t.cancel(Abort.SHUTDOWN)
+
+    recorder, _tracked, table = asyncio.run(_flow(redis_url, 2, client, stop))
+    assert recorder.processed == 0 and not table
+    assert sorted(x.decode() for x in conn.lrange(keys.rq_queue_key("D"), 0, -1)) == ["D-p0", "D-p1"]
+    assert conn.zcard(keys.rq_wip_key("D")) == 0 and conn.hlen(keys.resv_key("D")) == 0
+    assert _stats(conn).get("requeued") == 2
+    assert Job.fetch("D-p0", connection=conn, serializer=JSONSerializer).get_status() == JobStatus.QUEUED

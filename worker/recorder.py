@@ -1,0 +1,58 @@
+"""Recording what happened: how each job ended (one finish.lua call, batched) and the stats
+counters gathered outside job endings (retries), written in one round trip every flush.
+
+The job flow calls down into this module; it never calls back up into the job flow.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import redis.asyncio as aredis
+
+from shared import jobs, keys
+from shared.jobs import JobEnd
+from shared.retry import retry_redis
+from shared.scripts import Batcher
+from shared.stats import Stat
+from worker.tracked import Tracked
+
+
+class Recorder:
+    def __init__(self, batch: Batcher, aconn: aredis.Redis, worker_name: str) -> None:
+        self._batch = batch
+        self._aconn = aconn
+        self._worker = worker_name
+        self.processed = 0
+        self.outcomes: Counter[str] = Counter()   # for the exit log: committed, failed, ...
+        self.pending: Counter[tuple[str, Stat]] = Counter()  # not yet written
+        self.round_trips = 0  # flushes; job endings ride on the batcher's round trips
+
+    async def end(self, t: Tracked, end: JobEnd) -> bool:
+        """Record how a job ended (RQ status finished, failed or canceled) and count it; one
+        script call, coalesced with the others of this loop turn. False if we no longer hold
+        the job (its lease ran out and it was requeued): its new holder records it."""
+        call = jobs.finish(t.ds, t.claimed, end, t.started_at, self._worker)
+        recorded = await retry_redis(lambda: self._batch(call), f"finish {t.job_id}", give_up_after_s=60)
+        if recorded:
+            self.processed += 1
+            self.outcomes[end.outcome] += 1
+        return recorded
+
+    def count(self, ds: str, stat: Stat, by: int = 1) -> None:
+        self.pending[(ds, stat)] += by
+
+    async def flush(self) -> None:
+        """Write the counters gathered since the last flush; kept for the next one if it fails."""
+        if not self.pending:
+            return
+        incr, self.pending = self.pending, Counter()
+        try:
+            async with self._aconn.pipeline(transaction=False) as p:
+                for (ds, stat), n in incr.items():
+                    p.hincrby(keys.stats_key(ds), stat, n)
+                await p.execute()
+            self.round_trips += 1
+        except BaseException:
+            self.pending.update(incr)
+            raise
