@@ -12,7 +12,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from simulator.local import LocalRedis, LocalSim  # noqa: E402
+from simulator.local import LocalRedis, LocalSim, stop_process  # noqa: E402
 
 CLI = [sys.executable, "-m", "budgetq.cli"]
 # The checkout first; a PYTHONPATH given by the caller stays behind it (e.g. to try an extra package).
@@ -144,16 +143,6 @@ def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
-def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Sim(LocalSim):
     """A ``budgetq sim`` subprocess on a free port (the checkout's code), with the /sim/* helpers."""
 
@@ -246,7 +235,7 @@ class Stack:
                 raise RuntimeError(f"producer exited with {rc}:\n{log_text(producer)[-3000:]}")
         finally:
             for p in (producer, *procs):
-                stop(p)
+                stop_process(p)
         return procs
 
     def close(self) -> None:

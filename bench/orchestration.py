@@ -61,7 +61,7 @@ def enqueue(stack: c.Stack, sim: c.Sim, n: int) -> c.Path:
         if prod.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"producer did not enqueue {n} jobs:\n{c.log_text(prod)[-2000:]}")
         time.sleep(0.05)
-    c.stop(prod)
+    c.stop_process(prod)
     return cfg
 
 

@@ -123,8 +123,8 @@ def pipeline(stack: c.Stack, sim: c.Sim, n: int, s: Settings) -> Window:
     try:
         w = asyncio.run(measure_window(sim, n, s, alive=lambda: worker.poll() is None and producer.poll() is None))
     finally:
-        c.stop(producer)
-        c.stop(worker)
+        c.stop_process(producer)
+        c.stop_process(worker)
     sim.wait_idle()
     return w
 

@@ -96,7 +96,7 @@ def measure(stack: c.Stack, sim: c.Sim, sc: Scenario, k: int, data: c.Path) -> P
             raise RuntimeError(f"{sc.name}: a process ended during the window (too few prompts?)")
     finally:
         for p in procs:
-            c.stop(p)
+            c.stop_process(p)
     sim.wait_idle()
     dt = t1 - t0
     return Point(k, (n1 - n0) / dt, (s1["generated_tokens"] - s0["generated_tokens"]) / dt,

@@ -56,7 +56,8 @@ def wait_http(url: str, timeout_s: float = 15.0, proc: subprocess.Popen | None =
     raise BudgetqError(f"{url} did not come up within {timeout_s:.0f} s")
 
 
-def _stop(proc: subprocess.Popen, sig: int, timeout_s: float) -> None:
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+    """Send ``sig`` to ``proc`` if it still runs; SIGKILL it if it has not exited ``timeout_s`` later."""
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -104,12 +105,12 @@ class LocalSim:
     def kill(self) -> None:
         """SIGKILL, like a crashed server: its connections drop without an answer."""
         if self.proc is not None:
-            _stop(self.proc, signal.SIGKILL, 10)
+            stop_process(self.proc, signal.SIGKILL, 10)
             self.proc = None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc is not None:
-            _stop(self.proc, signal.SIGTERM, timeout_s)
+            stop_process(self.proc, signal.SIGTERM, timeout_s)
             self.proc = None
 
     def __enter__(self) -> LocalSim:
@@ -171,6 +172,6 @@ class LocalRedis:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc, signal.SIGTERM, 5)
+            stop_process(self.proc, signal.SIGTERM, 5)
             self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
