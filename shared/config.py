@@ -56,6 +56,13 @@ class ServerConfig(_Strict):
     # The model's context length; prompts with more than context_length - max_tokens tokens
     # are recorded invalid instead of failing on the server. None = no check.
     context_length: int | None = Field(default=None, gt=0)
+    # Which endpoint a request goes to (worker/endpoints.py). least_loaded: fewest in flight.
+    # prefix: requests whose first prefix_chars characters (of the rendered messages; input_ids:
+    # prefix_chars / 4 tokens) match go to the same endpoint, so its radix cache holds the shared
+    # prefix, while no endpoint carries more than prefix_balance x the mean in flight.
+    routing: Literal["least_loaded", "prefix"] = "least_loaded"
+    prefix_chars: int = Field(default=1024, ge=16)
+    prefix_balance: float = Field(default=1.25, gt=1.0)
 
     @model_validator(mode="after")
     def _check_urls(self) -> ServerConfig:

@@ -1,4 +1,17 @@
-"""The SGLang endpoints a worker sends to: least in-flight first, eject on failure, re-admit on health.
+"""The SGLang endpoints a worker sends to: least in-flight or prefix-aware, eject on failure,
+re-admit on health.
+
+Routing (``server.routing``). ``least_loaded``: the healthy endpoint with the fewest requests
+in flight. ``prefix``: requests whose routing key (the first ``prefix_chars`` characters of
+the rendered messages, or the first ``prefix_chars // 4`` input ids) is the same go to the
+same endpoint, so that server's radix cache holds their shared prefix and skips its prefill.
+The endpoint is chosen by consistent hashing with bounded loads (Mirrokni, Thorup and
+Zadimoghaddam, 2018): the healthy endpoints are ranked by a rendezvous hash of (key, url) and
+the first whose in-flight count stays within ``prefix_balance`` x the mean takes the request.
+A hot prefix thus spills over to its second-ranked endpoint (always the same one, which then
+caches it too) instead of piling onto one server; a key's first choice changes only when an
+endpoint leaves or joins. Each worker process balances its own requests; summed over workers
+the loads stay within the same bound.
 
 An endpoint that fails ``eject_after_failures`` times in a row is taken out; a probe then
 asks its /health every ``health_interval_s`` and puts it back once it answers 200. When
@@ -9,7 +22,9 @@ the worker logs it once, plainly, instead of failing every job.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -17,6 +32,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from shared.config import ServerConfig
+from shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.endpoints")
 
@@ -30,11 +46,39 @@ class Endpoint:
     ejected_since: float | None = None
     requests: int = 0
     errors: int = 0
+    prompt_tokens: int = 0      # of answered requests
+    cached_tokens: int = 0      # of those, found in the server's prefix cache
     _probe: asyncio.Task | None = field(default=None, repr=False)
+    _seed: bytes = field(default=b"", repr=False)
 
     def snapshot(self) -> dict:
         return {"healthy": self.healthy, "in_flight": self.in_flight, "failures": self.failures,
-                "ejected_since": self.ejected_since, "requests": self.requests, "errors": self.errors}
+                "ejected_since": self.ejected_since, "requests": self.requests, "errors": self.errors,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+
+
+def routing_key(payload: JobPayload, prefix_chars: int) -> bytes:
+    """What decides a request's endpoint under prefix routing: the start of what the server caches.
+
+    Chat: the first ``prefix_chars`` characters of the messages, role and content, in order (the
+    server's chat template puts them in that order, so equal starts mean a shared KV prefix).
+    Generate: the first ``prefix_chars // 4`` input ids (about 4 characters a token)."""
+    if payload.input_ids is not None:
+        head = payload.input_ids[:max(1, prefix_chars // 4)]
+        return b"ids:" + ",".join(map(str, head)).encode()
+    parts: list[str] = []
+    size = 0
+    for m in payload.messages:
+        parts.append(f"{m.role}\x00{m.content}\x01")
+        size += len(parts[-1])
+        if size >= prefix_chars:
+            break
+    return b"chat:" + "".join(parts)[:prefix_chars].encode("utf-8", "surrogatepass")
+
+
+def _rank(key: bytes, ep: Endpoint) -> bytes:
+    """Rendezvous (highest random weight) score of ``ep`` for ``key``."""
+    return hashlib.blake2b(key, digest_size=8, key=ep._seed).digest()
 
 
 class EndpointPool:
@@ -42,18 +86,31 @@ class EndpointPool:
         self._server = server
         self._session = session
         self._headers = headers
-        self.endpoints = [Endpoint(u) for u in server.urls]
+        self.endpoints = [Endpoint(u, _seed=hashlib.blake2b(u.encode(), digest_size=16).digest())
+                          for u in server.urls]
         self._any_healthy = asyncio.Event()
         self._any_healthy.set()
         self._down_logged_at = 0.0
 
-    def pick(self) -> Endpoint | None:
-        """The healthy endpoint with the fewest requests in flight (ties broken at random)."""
+    def pick(self, key: bytes | None = None) -> Endpoint | None:
+        """Where the next request goes: by ``key`` (prefix routing) within the load bound, else
+        the healthy endpoint with the fewest requests in flight (ties broken at random)."""
         healthy = [e for e in self.endpoints if e.healthy]
         if not healthy:
             return None
+        if key is not None and len(healthy) > 1:
+            # Bounded loads: nobody goes past prefix_balance x the mean in flight (this one included).
+            cap = math.ceil(self._server.prefix_balance * (sum(e.in_flight for e in healthy) + 1) / len(healthy))
+            for e in sorted(healthy, key=lambda e: _rank(key, e), reverse=True):
+                if e.in_flight < cap:
+                    return e
         low = min(e.in_flight for e in healthy)
         return random.choice([e for e in healthy if e.in_flight == low])
+
+    def served(self, ep: Endpoint, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count an answered request's prompt tokens and how many of them the server had cached."""
+        ep.prompt_tokens += prompt_tokens
+        ep.cached_tokens += cached_tokens
 
     async def wait_healthy(self) -> None:
         if not self._any_healthy.is_set() and time.monotonic() - self._down_logged_at > 30:
