@@ -59,7 +59,7 @@ class ServerConfig(_Strict):
     # Which endpoint a request goes to (worker/endpoints.py). least_loaded: fewest in flight.
     # prefix: requests whose first prefix_chars characters (of the rendered messages; input_ids:
     # prefix_chars / 4 tokens) match go to the same endpoint, so its radix cache holds the shared
-    # prefix, while no endpoint carries more than prefix_balance x the mean in flight.
+    # prefix, while no endpoint holds more than prefix_balance x the least-loaded one's in flight (+2).
     routing: Literal["least_loaded", "prefix"] = "least_loaded"
     prefix_chars: int = Field(default=1024, ge=16)
     prefix_balance: float = Field(default=1.25, gt=1.0)

@@ -28,6 +28,7 @@ KEY_RATIO = {
     "check_rate": "peak RSS ratio to the smallest",
     "end_game": "used/budget (worst)",
     "ceiling": "ratio to goal",
+    "prefix_routing": "ratio prefix / least_loaded",
 }
 
 

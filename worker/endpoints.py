@@ -5,9 +5,11 @@ Routing (``server.routing``). ``least_loaded``: the healthy endpoint with the fe
 in flight. ``prefix``: requests whose routing key (the first ``prefix_chars`` characters of
 the rendered messages, or the first ``prefix_chars // 4`` input ids) is the same go to the
 same endpoint, so that server's radix cache holds their shared prefix and skips its prefill.
-The endpoint is chosen by consistent hashing with bounded loads (Mirrokni, Thorup and
-Zadimoghaddam, 2018): the healthy endpoints are ranked by a rendezvous hash of (key, url) and
-the first whose in-flight count stays within ``prefix_balance`` x the mean takes the request.
+The endpoint is chosen by consistent hashing with bounded loads (after Mirrokni, Thorup and
+Zadimoghaddam, 2018, with the bound taken against the least-loaded endpoint instead of the
+mean, so that no server starves either): the healthy endpoints are ranked by a rendezvous hash
+of (key, url) and the first whose in-flight count stays within ``prefix_balance`` x the
+least-loaded one's (+2) takes the request; else the least loaded does.
 A hot prefix thus spills over to its second-ranked endpoint (always the same one, which then
 caches it too) instead of piling onto one server; a key's first choice changes only when an
 endpoint leaves or joins. Each worker process balances its own requests; summed over workers
@@ -24,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from shared.config import ServerConfig
 from shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.endpoints")
+_SLACK = 2   # requests an endpoint may hold over prefix_balance x the least-loaded one's
 
 
 @dataclass
@@ -98,13 +100,14 @@ class EndpointPool:
         healthy = [e for e in self.endpoints if e.healthy]
         if not healthy:
             return None
-        if key is not None and len(healthy) > 1:
-            # Bounded loads: nobody goes past prefix_balance x the mean in flight (this one included).
-            cap = math.ceil(self._server.prefix_balance * (sum(e.in_flight for e in healthy) + 1) / len(healthy))
-            for e in sorted(healthy, key=lambda e: _rank(key, e), reverse=True):
-                if e.in_flight < cap:
-                    return e
         low = min(e.in_flight for e in healthy)
+        if key is not None and len(healthy) > 1:
+            # Bounded loads: an endpoint takes a request only while it holds at most prefix_balance x
+            # the least-loaded one's (+ a little slack, so a handful in flight does not scatter keys).
+            cap = self._server.prefix_balance * low + _SLACK
+            for e in sorted(healthy, key=lambda e: _rank(key, e), reverse=True):
+                if e.in_flight + 1 <= cap:
+                    return e
         return random.choice([e for e in healthy if e.in_flight == low])
 
     def served(self, ep: Endpoint, prompt_tokens: int, cached_tokens: int) -> None:
