@@ -185,7 +185,11 @@ class DatasetConfig(_Strict):
 
 
 class WorkerConfig(_Strict):
-    concurrency: int = Field(default=64, gt=0)
+    # Requests in flight per worker process, or auto: sized from each server's /server_info and
+    # /v1/loads, split among the workers sharing it (worker/capacity.py).
+    concurrency: Annotated[int, Field(gt=0)] | Literal["auto"] = 64
+    # concurrency auto: how often the servers are re-read and the shares re-split.
+    capacity_interval_s: float = Field(default=5.0, gt=0)
     # A job's lease: a worker that stops heartbeating (killed, frozen, cut off) loses its jobs
     # this long after its last heartbeat; they are re-enqueued within one maintenance interval.
     heartbeat_ttl_s: int = Field(default=30, ge=2)
@@ -253,7 +257,8 @@ class Config(_Strict):
 
     @property
     def high_water(self) -> int:
-        return self.producer.high_water or 4 * self.worker.concurrency
+        per_worker = self.worker.concurrency if isinstance(self.worker.concurrency, int) else 256
+        return self.producer.high_water or 4 * per_worker
 
     def dataset(self, name: str) -> DatasetConfig:
         for ds in self.datasets:

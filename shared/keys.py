@@ -137,3 +137,9 @@ def budget_keys(ds: str) -> list[str]:
         hist_key(ds),
         rate_key(ds),
     ]
+
+
+def capacity_key(url: str) -> str:
+    """Hash: worker name -> last time (unix s) it sized its requests for the server at ``url``
+    (worker.concurrency: auto, worker/capacity.py): the live workers sharing that server."""
+    return f"{PREFIX}:capacity:{url}"

@@ -48,6 +48,9 @@ class Endpoint:
     ejected_since: float | None = None
     requests: int = 0
     errors: int = 0
+    # Its share of this worker's requests (worker/capacity.py sets it from the server's size
+    # under concurrency: auto); loads compare in_flight / weight. 1 for every endpoint otherwise.
+    weight: float = 1.0
     prompt_tokens: int = 0      # of answered requests
     cached_tokens: int = 0      # of those, found in the server's prefix cache
     _probe: asyncio.Task | None = field(default=None, repr=False)
@@ -100,15 +103,15 @@ class EndpointPool:
         healthy = [e for e in self.endpoints if e.healthy]
         if not healthy:
             return None
-        low = min(e.in_flight for e in healthy)
+        low = min(e.in_flight / e.weight for e in healthy)
         if key is not None and len(healthy) > 1:
             # Bounded loads: an endpoint takes a request only while it holds at most prefix_balance x
             # the least-loaded one's (+ a little slack, so a handful in flight does not scatter keys).
-            cap = self._server.prefix_balance * low + _SLACK
+            balance = self._server.prefix_balance
             for e in sorted(healthy, key=lambda e: _rank(key, e), reverse=True):
-                if e.in_flight + 1 <= cap:
+                if e.in_flight + 1 - _SLACK <= balance * low * e.weight:
                     return e
-        return random.choice([e for e in healthy if e.in_flight == low])
+        return random.choice([e for e in healthy if e.in_flight / e.weight == low])
 
     def served(self, ep: Endpoint, prompt_tokens: int, cached_tokens: int) -> None:
         """Count an answered request's prompt tokens and how many of them the server had cached."""

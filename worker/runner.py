@@ -32,6 +32,7 @@ from shared.redis_conn import aconnect, await_ready, connect, explain
 from shared.retry import REDIS_DOWN, retry_redis
 from shared.scripts import Batcher
 from worker import rq_adapter
+from worker.capacity import Capacity  # issue 18
 from worker.control import Control
 from worker.estimator import LengthModel
 from worker.jobflow import Phase, Tracked, run_job
@@ -99,6 +100,8 @@ class ConcurrentWorker:
         self._rotation = 0
         # Blocking RQ/redis calls get their own threads: the default pool has only cpu+4.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="bq-rq")
+        # issue 18: concurrency auto -- worker/capacity.py resizes self.slots/concurrency live (set by the CLI).
+        self.capacity: Capacity | None = None
 
     @property
     def round_trips(self) -> int:
@@ -259,7 +262,8 @@ class ConcurrentWorker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig.name)
         self._started_at = time.time()
-        self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8))
+        self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8,
+                                                                      32 if self.capacity else 0))  # issue 18
         self.batch = Batcher(self.aconn)
         self.maintenance = Maintenance(self.conn, self.cfg.worker.maintenance_interval_s)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
@@ -323,6 +327,7 @@ class ConcurrentWorker:
                 self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
                 self._every(FLUSH_INTERVAL_S, self.flush, "stats"),
                 self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
+                *([self.capacity.run()] if self.capacity else []),   # issue 18: concurrency auto
             )]
             try:
                 await self._feed()

@@ -1,0 +1,189 @@
+"""``worker.concurrency: auto``: size this worker's requests in flight from what the servers say.
+
+Per endpoint, every ``capacity_interval_s``:
+
+1. read the server's capacity and load: ``/server_info`` (SGLang 0.5.x http_server.server_info:
+   ``internal_states[]`` has one entry per DP rank with ``effective_max_running_requests_per_dp``,
+   the scheduler's real max_running_requests after memory sizing) and ``/v1/loads``
+   (entrypoints/v1_loads.get_loads: ``loads[]``, one LoadSnapshot per DP rank, with
+   ``num_running_reqs`` and ``num_waiting_reqs``);
+2. set the endpoint's target for all budgetq workers together: its running slots plus a short
+   waiting queue (``max(2, 5%)`` of the slots: non-empty, so a finished request is replaced
+   inside the server without a round trip, short, so few requests wait when a budget is
+   crossed), corrected by half the gap between the waiting requests seen and that queue (other
+   clients, or KV memory admitting fewer than max_running, show up as a longer queue);
+3. split the target among the live workers sending to that endpoint, through Redis
+   (``keys.capacity_key(url)``: worker name -> last seen time), so 8 workers on one server
+   take an eighth each, not all of it.
+
+This worker's limit is the sum of its shares over healthy endpoints; ``Capacity.apply`` resizes
+the worker's slot semaphore to it and weights each endpoint by its share, so least-loaded
+routing fills a large server more than a small one. An endpoint that cannot be read keeps its
+last share (a fresh one gets ``START``); an ejected endpoint gets none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from shared import keys
+
+if TYPE_CHECKING:
+    from worker.endpoints import Endpoint
+
+log = logging.getLogger("budgetq.capacity")
+START = 8                       # per endpoint, until its server has been read
+_READ_TIMEOUT = aiohttp.ClientTimeout(total=5)
+
+
+@dataclass
+class ServerLoad:
+    max_running: int            # summed over DP ranks
+    running: int
+    waiting: int
+
+
+def parse_server_info(info: dict[str, Any]) -> int:
+    """Running slots of a server from /server_info: the sum over DP ranks of the effective limit."""
+    states = info.get("internal_states") or []
+    per_rank = [int(s["effective_max_running_requests_per_dp"]) for s in states
+                if isinstance(s, dict) and s.get("effective_max_running_requests_per_dp")]
+    if per_rank:
+        return sum(per_rank)
+    value = info.get("max_running_requests")     # server args: the configured value
+    if isinstance(value, int) and value > 0:
+        return value
+    raise ValueError("no effective_max_running_requests_per_dp or max_running_requests in /server_info")
+
+
+def parse_loads(body: dict[str, Any]) -> tuple[int, int]:
+    """(running, waiting) summed over DP ranks from /v1/loads."""
+    loads = [x for x in body.get("loads") or [] if isinstance(x, dict)]
+    if not loads:
+        raise ValueError("no loads[] in /v1/loads")
+    return sum(int(x.get("num_running_reqs", 0)) for x in loads), sum(int(x.get("num_waiting_reqs", 0)) for x in loads)
+
+
+def queue_target(max_running: int) -> int:
+    """Waiting requests to keep at a server: short but never empty."""
+    return max(2, math.ceil(0.05 * max_running))
+
+
+def next_target(previous: int | None, load: ServerLoad) -> int:
+    """All budgetq workers' requests for one server: slots + a short queue, corrected by what waits."""
+    want_waiting = queue_target(load.max_running)
+    base = load.max_running + want_waiting
+    if previous is None:
+        return base
+    corrected = previous + (want_waiting - load.waiting) // 2
+    return max(1, min(load.max_running + 4 * want_waiting, corrected))
+
+
+def my_share(total: int, live: list[str], me: str) -> int:
+    """This worker's part of ``total`` among ``live`` workers: equal, the remainder to the first names."""
+    names = sorted(set(live) | {me})
+    n = len(names)
+    return total // n + (1 if names.index(me) < total % n else 0)
+
+
+class Capacity:
+    """The live per-process limit of a worker with ``concurrency: auto`` (see the module docstring)."""
+
+    def __init__(self, worker: Any, interval_s: float = 5.0) -> None:
+        self.w = worker                 # a worker.runner.ConcurrentWorker (session, client, aconn, slots)
+        self.interval_s = interval_s
+        self.targets: dict[str, int] = {}
+        self.shares: dict[str, int] = {}
+        self.limit = START * len(worker.cfg.server.urls)
+        self._withheld = 0              # semaphore permits taken out by a shrink
+        self._shrinks: set[asyncio.Task] = set()
+
+    async def _read(self, ep: Endpoint) -> ServerLoad:
+        headers = self.w.client._headers
+        session: aiohttp.ClientSession = self.w.session
+        async with session.get(ep.url + "/server_info", headers=headers, timeout=_READ_TIMEOUT) as resp:
+            resp.raise_for_status()
+            max_running = parse_server_info(await resp.json(content_type=None))
+        async with session.get(ep.url + "/v1/loads", headers=headers, timeout=_READ_TIMEOUT) as resp:
+            resp.raise_for_status()
+            running, waiting = parse_loads(await resp.json(content_type=None))
+        return ServerLoad(max_running, running, waiting)
+
+    async def _live_workers(self, url: str) -> list[str]:
+        """Register this worker at ``url`` and return the workers seen there recently."""
+        key, now = keys.capacity_key(url), time.time()
+        async with self.w.aconn.pipeline(transaction=False) as p:
+            p.hset(key, self.w.name, f"{now:.3f}")
+            p.expire(key, int(6 * self.interval_s) + 10)
+            p.hgetall(key)
+            _, _, seen = await p.execute()
+        stale = [k for k, v in seen.items() if float(v) < now - 3 * self.interval_s]
+        if stale:
+            await self.w.aconn.hdel(key, *stale)
+        return [(k.decode() if isinstance(k, bytes) else k) for k, v in seen.items() if k not in stale]
+
+    async def refresh(self) -> int:
+        """Re-read every endpoint, re-split, apply; returns the new limit."""
+        for ep in self.w.client.pool.endpoints:
+            if not ep.healthy:
+                self.shares[ep.url] = 0
+                continue
+            try:
+                load = await self._read(ep)
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+                log.info("capacity: cannot read %s (%s); keeping its share", ep.url, exc)
+                self.shares.setdefault(ep.url, START)
+                continue
+            self.targets[ep.url] = next_target(self.targets.get(ep.url), load)
+            live = await self._live_workers(ep.url)
+            self.w.control.round_trips += 2
+            self.shares[ep.url] = max(1, my_share(self.targets[ep.url], live, self.w.name))
+        self.apply(max(1, sum(self.shares.values())))
+        return self.limit
+
+    def apply(self, limit: int) -> None:
+        """Make ``limit`` the worker's requests in flight: resize its slot semaphore, weight endpoints."""
+        for ep in self.w.client.pool.endpoints:
+            ep.weight = float(max(1, self.shares.get(ep.url, START)))
+        old = self.limit
+        self.limit = limit
+        self.w.concurrency = limit
+        self.w.prefetch = limit // 4 + 4
+        if limit > old:
+            give = limit - old
+            back = min(give, self._withheld)   # first return the permits a shrink took
+            self._withheld -= back
+            for _ in range(give):
+                asyncio.Semaphore.release(self.w.slots)
+            self.w.wake.set()
+        elif limit < old:
+            for _ in range(old - limit):
+                task = asyncio.get_running_loop().create_task(self._take_one())
+                self._shrinks.add(task)
+                task.add_done_callback(self._shrinks.discard)
+        if limit != old:
+            log.info("capacity: %d requests in flight (was %d): %s", limit, old,
+                     ", ".join(f"{u} {s}" for u, s in sorted(self.shares.items())))
+
+    async def _take_one(self) -> None:
+        # A permit taken here (not by a request) lowers the limit as requests in flight finish.
+        await asyncio.Semaphore.acquire(self.w.slots)
+        self._withheld += 1
+
+    async def run(self) -> None:
+        while not self.w.stopping.is_set():
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - never let sizing stop the worker
+                log.warning("capacity: refresh failed (%s); keeping %d in flight", exc, self.limit)
+            try:
+                await asyncio.wait_for(self.w.stopping.wait(), self.interval_s)
+            except TimeoutError:
+                pass
