@@ -29,6 +29,7 @@ KEY_RATIO = {
     "end_game": "used/budget (worst)",
     "ceiling": "ratio to goal",
     "prefix_routing": "ratio prefix / least_loaded",
+    "concurrency_auto": "ratio auto / best fixed",
 }
 
 

@@ -34,10 +34,11 @@ def test_dp_ranks_are_summed_and_the_configured_value_is_the_fallback():
 
 def test_target_keeps_a_short_non_empty_queue_and_shares_add_up():
     assert queue_target(8) == 2 and queue_target(256) == 13
-    assert next_target(None, ServerLoad(256, 0, 0)) == 269
-    assert next_target(269, ServerLoad(256, 256, 13)) == 269        # as wanted: unchanged
-    assert next_target(269, ServerLoad(256, 256, 53)) == 249        # others queue there too: back off
-    assert next_target(269, ServerLoad(256, 200, 0)) <= 256 + 4 * 13  # bounded when nothing waits
+    assert next_target(ServerLoad(256, 0, 0), ours=0) == 269                 # empty server: slots + queue
+    assert next_target(ServerLoad(256, 256, 13), ours=269) == 269            # as wanted: unchanged
+    assert next_target(ServerLoad(256, 256, 53), ours=269) == 229            # others hold 40 there: back off
+    assert next_target(ServerLoad(256, 180, 40), ours=220) == 193            # KV-bound: 180 run, so 180 + 13
+    assert next_target(ServerLoad(8, 8, 500), ours=0) == 2                   # someone else floods it: a queue only
     names = [f"w{i}" for i in range(8)]
     assert sum(my_share(269, names, n) for n in names) == 269
     assert {my_share(269, names, n) for n in names} == {33, 34}

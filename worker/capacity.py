@@ -9,12 +9,13 @@ Per endpoint, every ``capacity_interval_s``:
    ``num_running_reqs`` and ``num_waiting_reqs``);
 2. set the endpoint's target for all budgetq workers together: its running slots plus a short
    waiting queue (``max(2, 5%)`` of the slots: non-empty, so a finished request is replaced
-   inside the server without a round trip, short, so few requests wait when a budget is
-   crossed), corrected by half the gap between the waiting requests seen and that queue (other
-   clients, or KV memory admitting fewer than max_running, show up as a longer queue);
+   inside the server without a round trip; short, so few requests wait when a budget is
+   crossed), less what other clients hold there (running + waiting - budgetq's own in flight),
+   and capped at what the server actually runs when it admits fewer than max_running (KV
+   memory full) while requests wait;
 3. split the target among the live workers sending to that endpoint, through Redis
-   (``keys.capacity_key(url)``: worker name -> last seen time), so 8 workers on one server
-   take an eighth each, not all of it.
+   (``keys.capacity_key(url)``: worker name -> "<last seen time> <its in flight there>"), so 8
+   workers on one server take an eighth each, not all of it.
 
 This worker's limit is the sum of its shares over healthy endpoints; ``Capacity.apply`` resizes
 the worker's slot semaphore to it and weights each endpoint by its share, so least-loaded
@@ -76,14 +77,14 @@ def queue_target(max_running: int) -> int:
     return max(2, math.ceil(0.05 * max_running))
 
 
-def next_target(previous: int | None, load: ServerLoad) -> int:
-    """All budgetq workers' requests for one server: slots + a short queue, corrected by what waits."""
+def next_target(load: ServerLoad, ours: int) -> int:
+    """All budgetq workers' requests for one server (``ours``: what they hold there now)."""
     want_waiting = queue_target(load.max_running)
-    base = load.max_running + want_waiting
-    if previous is None:
-        return base
-    corrected = previous + (want_waiting - load.waiting) // 2
-    return max(1, min(load.max_running + 4 * want_waiting, corrected))
+    others = max(0, load.running + load.waiting - ours)
+    slots = load.max_running
+    if load.waiting > want_waiting and load.running < load.max_running:
+        slots = load.running        # the server admits fewer than max_running (KV memory): go by what runs
+    return max(want_waiting, slots + want_waiting - others)
 
 
 def my_share(total: int, live: list[str], me: str) -> int:
@@ -99,7 +100,7 @@ class Capacity:
     def __init__(self, worker: Any, interval_s: float = 5.0) -> None:
         self.w = worker                 # a worker.runner.ConcurrentWorker (session, client, aconn, slots)
         self.interval_s = interval_s
-        self.targets: dict[str, int] = {}
+        self.targets: dict[str, int] = {}   # url -> all budgetq workers' requests there
         self.shares: dict[str, int] = {}
         self.limit = START * len(worker.cfg.server.urls)
         self._withheld = 0              # semaphore permits taken out by a shrink
@@ -116,18 +117,26 @@ class Capacity:
             running, waiting = parse_loads(await resp.json(content_type=None))
         return ServerLoad(max_running, running, waiting)
 
-    async def _live_workers(self, url: str) -> list[str]:
-        """Register this worker at ``url`` and return the workers seen there recently."""
-        key, now = keys.capacity_key(url), time.time()
+    async def _live_workers(self, ep: Endpoint) -> dict[str, int]:
+        """Register this worker at ``ep`` (with its in flight there); the workers seen there recently."""
+        key, now = keys.capacity_key(ep.url), time.time()
         async with self.w.aconn.pipeline(transaction=False) as p:
-            p.hset(key, self.w.name, f"{now:.3f}")
+            p.hset(key, self.w.name, f"{now:.3f} {ep.in_flight}")
             p.expire(key, int(6 * self.interval_s) + 10)
             p.hgetall(key)
             _, _, seen = await p.execute()
-        stale = [k for k, v in seen.items() if float(v) < now - 3 * self.interval_s]
+        live: dict[str, int] = {}
+        stale = []
+        for k, v in seen.items():
+            name = k.decode() if isinstance(k, bytes) else k
+            ts, n = (v.decode() if isinstance(v, bytes) else v).split()
+            if float(ts) < now - 3 * self.interval_s:
+                stale.append(name)
+            else:
+                live[name] = int(n)
         if stale:
             await self.w.aconn.hdel(key, *stale)
-        return [(k.decode() if isinstance(k, bytes) else k) for k, v in seen.items() if k not in stale]
+        return live
 
     async def refresh(self) -> int:
         """Re-read every endpoint, re-split, apply; returns the new limit."""
@@ -141,10 +150,10 @@ class Capacity:
                 log.info("capacity: cannot read %s (%s); keeping its share", ep.url, exc)
                 self.shares.setdefault(ep.url, START)
                 continue
-            self.targets[ep.url] = next_target(self.targets.get(ep.url), load)
-            live = await self._live_workers(ep.url)
+            live = await self._live_workers(ep)
             self.w.control.round_trips += 2
-            self.shares[ep.url] = max(1, my_share(self.targets[ep.url], live, self.w.name))
+            self.targets[ep.url] = next_target(load, sum(live.values()))
+            self.shares[ep.url] = max(1, my_share(self.targets[ep.url], list(live), self.w.name))
         self.apply(max(1, sum(self.shares.values())))
         return self.limit
 
