@@ -140,6 +140,7 @@ def budget_keys(ds: str) -> list[str]:
 
 
 def capacity_key(url: str) -> str:
-    """Hash: worker name -> last time (unix s) it sized its requests for the server at ``url``
-    (worker.concurrency: auto, worker/capacity.py): the live workers sharing that server."""
+    """Hash: worker name -> "<unix s> <its requests in flight there>", written each time it sizes
+    its requests for the server at ``url`` (worker.concurrency: auto, worker/capacity.py): the
+    live workers sharing that server."""
     return f"{PREFIX}:capacity:{url}"

@@ -151,7 +151,7 @@ class Capacity:
                 self.shares.setdefault(ep.url, START)
                 continue
             live = await self._live_workers(ep)
-            self.w.control.round_trips += 2
+            self.w.other_round_trips += 2
             self.targets[ep.url] = next_target(load, sum(live.values()))
             self.shares[ep.url] = max(1, my_share(self.targets[ep.url], list(live), self.w.name))
         self.apply(max(1, sum(self.shares.values())))
@@ -196,3 +196,12 @@ class Capacity:
                 await asyncio.wait_for(self.w.stopping.wait(), self.interval_s)
             except TimeoutError:
                 pass
+        # Leaving: the others may take this worker's shares at their next refresh (best effort;
+        # otherwise the entry goes stale after 3 intervals).
+        try:
+            async with self.w.aconn.pipeline(transaction=False) as p:
+                for url in self.shares:
+                    p.hdel(keys.capacity_key(url), self.w.name)
+                await p.execute()
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.debug("capacity: could not deregister: %s", exc)
