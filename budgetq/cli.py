@@ -151,12 +151,18 @@ def _start_producer(cfg: Config, factory, stopped):
     return None
 
 
+def concurrency_arg(text: str) -> int | str:
+    """argparse type of worker --concurrency: an integer > 0, or auto."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker.runner import ConcurrentWorker
 
     cfg = load(args)
     grace = args.grace_s if args.grace_s is not None else cfg.worker.grace_s
     concurrency = args.concurrency if args.concurrency is not None else cfg.worker.concurrency
+    # auto: sized from the servers, re-read every capacity_interval_s (worker/capacity.py)
     w = ConcurrentWorker(cfg, concurrency, burst=args.burst, grace_s=grace)
     rc = asyncio.run(w.run())
     if w.abandoned:
@@ -244,7 +250,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
     sp.set_defaults(func=cmd_produce)
     sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))
-    sp.add_argument("--concurrency", type=positive_int, help="requests in flight (overrides worker.concurrency)")
+    sp.add_argument("--concurrency", type=concurrency_arg,
+                    help="requests in flight, or auto: sized from the servers (overrides worker.concurrency)")
     sp.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     sp.add_argument("--grace-s", type=seconds(0), help="overrides worker.grace_s")
     sp.set_defaults(func=cmd_worker)

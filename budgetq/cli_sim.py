@@ -88,7 +88,8 @@ def settings_from_args(args: argparse.Namespace):
         reasoning_parser=args.reasoning_parser, api_key=args.api_key, seed=args.seed, model=args.model,
         stream_interval_s=args.stream_interval_s, keep_records=args.keep_records,
         disconnect_poll_s=args.disconnect_poll_s, stream_abort_s=args.stream_abort_s,
-        max_total_num_tokens=args.max_total_num_tokens, generation_config=_generation_config(args.generation_config))
+        max_total_num_tokens=args.max_total_num_tokens, generation_config=_generation_config(args.generation_config),
+        radix_cache=args.radix_cache, enable_cache_report=args.enable_cache_report)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -126,6 +127,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--instant", action="store_true", help="answer at once (no capacity model); lengths still drawn")
     g.add_argument("--max-total-num-tokens", type=int, default=None,
                    help="KV pool size reported by /server_info and /v1/loads (default: max-running x 4096)")
+    g.add_argument("--radix-cache", action="store_true",
+                   help="model SGLang's prefix cache: cached prompt tokens skip prefill, reported as cached_tokens")
+    g.add_argument("--enable-cache-report", action="store_true",
+                   help="chat/completions usage carries prompt_tokens_details.cached_tokens (SGLang's flag)")
     g.add_argument("--disconnect-poll-s", type=float, default=4.0,
                    help="simulated s: a dropped non-streaming client is noticed at the next poll (SGLang: 4)")
     g.add_argument("--stream-abort-s", type=float, default=2.0,

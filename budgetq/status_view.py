@@ -62,15 +62,17 @@ def workers_table(snap: dict[str, Any]) -> Table:
 
 def endpoints_table(snap: dict[str, Any]) -> Table:
     t = Table(title="endpoints", title_justify="left")
-    for col in ("endpoint", "health", "in flight", "failures", "healthy / workers"):
+    for col in ("endpoint", "health", "in flight", "failures", "healthy / workers", "prompt cached"):
         t.add_column(col, justify="left" if col in ("endpoint", "health") else "right", no_wrap=True)
     for e in snap["endpoints"]:
         health = (Text("unknown", style="dim") if e["healthy"] is None
                   else Text("healthy", style="green") if e["healthy"] else Text("down", style="red"))
+        prompt = e.get("prompt_tokens", 0)
+        cached = f"{e.get('cached_tokens', 0) / prompt:.0%}" if prompt else "-"   # share of prompt tokens
         t.add_row(e["url"], health, f"{e['in_flight']:,}", f"{e['failures']:,}",
-                  f"{e['healthy_workers']} / {e['workers']}")
+                  f"{e['healthy_workers']} / {e['workers']}", cached)
     if not snap["endpoints"]:
-        t.add_row("(none reported)", "", "", "", "")
+        t.add_row("(none reported)", "", "", "", "", "")
     return t
 
 

@@ -82,6 +82,15 @@ class SnapshotCollector:
             e_in.add_metric([e["url"]], float(e["in_flight"]))
             e_fail.add_metric([e["url"]], float(e["failures"]))
         yield from (healthy, e_in, e_fail)
+        # issue 18 (prefix routing): how much of the prompts the servers found in their caches.
+        e_prompt = GaugeMetricFamily("budgetq_endpoint_prompt_tokens", "Prompt tokens of answered requests, "
+                                     "summed over live workers' lifetimes.", labels=["endpoint"])
+        e_cached = GaugeMetricFamily("budgetq_endpoint_cached_tokens", "Of those, tokens the server had in its "
+                                     "prefix cache (SGLang cached_tokens).", labels=["endpoint"])
+        for e in self.snap["endpoints"]:
+            e_prompt.add_metric([e["url"]], float(e.get("prompt_tokens", 0)))
+            e_cached.add_metric([e["url"]], float(e.get("cached_tokens", 0)))
+        yield from (e_prompt, e_cached)
         yield GaugeMetricFamily("budgetq_snapshot_timestamp_seconds", "Redis time of this snapshot.",
                                 value=float(self.snap["generated_at"]))
 

@@ -57,6 +57,13 @@ class ServerConfig(_Strict):
     # The model's context length; prompts with more than context_length - max_tokens tokens
     # are recorded invalid instead of failing on the server. None = no check.
     context_length: int | None = Field(default=None, gt=0)
+    # Which endpoint a request goes to (worker/endpoints.py). least_loaded: fewest in flight.
+    # prefix: requests whose first prefix_chars characters (of the rendered messages; input_ids:
+    # prefix_chars / 4 tokens) match go to the same endpoint, so its radix cache holds the shared
+    # prefix, while no endpoint holds more than prefix_balance x the least-loaded one's in flight (+2).
+    routing: Literal["least_loaded", "prefix"] = "least_loaded"
+    prefix_chars: int = Field(default=1024, ge=16)
+    prefix_balance: float = Field(default=1.25, gt=1.0)
 
     @model_validator(mode="after")
     def _check_urls(self) -> ServerConfig:
@@ -181,7 +188,11 @@ class DatasetConfig(_Strict):
 
 
 class WorkerConfig(_Strict):
-    concurrency: int = Field(default=64, gt=0)
+    # Requests in flight per worker process, or auto: sized from each server's /server_info and
+    # /v1/loads, split among the workers sharing it (worker/capacity.py).
+    concurrency: Annotated[int, Field(gt=0)] | Literal["auto"] = 64
+    # concurrency auto: how often the servers are re-read and the shares re-split.
+    capacity_interval_s: float = Field(default=5.0, gt=0)
     # A job's lease: a worker that stops heartbeating (killed, frozen, cut off) loses its jobs
     # this long after its last heartbeat; they are re-enqueued within one maintenance interval.
     heartbeat_ttl_s: int = Field(default=30, ge=2)
@@ -249,7 +260,8 @@ class Config(_Strict):
 
     @property
     def high_water(self) -> int:
-        return self.producer.high_water or 4 * self.worker.concurrency
+        per_worker = self.worker.concurrency if isinstance(self.worker.concurrency, int) else 256
+        return self.producer.high_water or 4 * per_worker
 
     def dataset(self, name: str) -> DatasetConfig:
         for ds in self.datasets:

@@ -146,3 +146,10 @@ def budget_keys(ds: str) -> list[str]:
         hist_key(ds),
         rate_key(ds),
     ]
+
+
+def capacity_key(url: str) -> str:
+    """Hash: worker name -> "<unix s> <its requests in flight there>", written each time it sizes
+    its requests for the server at ``url`` (worker.concurrency: auto, worker/capacity.py): the
+    live workers sharing that server."""
+    return f"{PREFIX}:capacity:{url}"

@@ -179,6 +179,9 @@ def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
                 "in_flight": _num(e.get("in_flight")),
                 "failures": _num(e.get("failures")),
                 "ejected_since": _num(e.get("ejected_since"), float, None),
+                # issue 18 (prefix routing): prompt tokens answered and those the server had cached
+                "prompt_tokens": _num(e.get("prompt_tokens")),
+                "cached_tokens": _num(e.get("cached_tokens")),
             }
         started = _num(h.get("started_at"), float, None)
         out.append({
@@ -201,11 +204,15 @@ def endpoint_summary(workers: list[dict[str, Any]], configured: Iterable[str] = 
     agg: dict[str, dict[str, Any]] = {}
     for url in configured:
         agg.setdefault(redact_url(url), {"url": redact_url(url), "healthy": None, "in_flight": 0, "failures": 0,
-                                         "workers": 0, "healthy_workers": 0, "ejected_since": None})
+                                         "workers": 0, "healthy_workers": 0, "ejected_since": None,
+                                         "prompt_tokens": 0, "cached_tokens": 0})
     for w in workers:
         for url, e in w["endpoints"].items():
             a = agg.setdefault(url, {"url": url, "healthy": None, "in_flight": 0, "failures": 0, "workers": 0,
-                                     "healthy_workers": 0, "ejected_since": None})
+                                     "healthy_workers": 0, "ejected_since": None,
+                                     "prompt_tokens": 0, "cached_tokens": 0})
+            a["prompt_tokens"] += e["prompt_tokens"]   # issue 18: over the live workers' lifetimes
+            a["cached_tokens"] += e["cached_tokens"]
             a["workers"] += 1
             a["in_flight"] += e["in_flight"]
             a["failures"] += e["failures"]

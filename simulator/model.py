@@ -20,12 +20,12 @@ import asyncio
 import heapq
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 from simulator.settings import SimSettings
 
-__all__ = ["DONE", "Engine", "RequestRecord", "SimSettings"]
+__all__ = ["DONE", "Engine", "PrefixCache", "RequestRecord", "SimSettings"]
 
 QUEUED, PREFILL, DECODE, DONE = range(4)
 FINISH, CUT = 0, 1   # kinds of heap events
@@ -37,7 +37,7 @@ class RequestRecord:
     __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
                  "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
                  "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived",
-                 "cut_at", "cut", "client_gone", "sampling")
+                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens")
 
     def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
                  endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
@@ -66,13 +66,58 @@ class RequestRecord:
         self.cut = False                 # ... and has: the request goes on until SGLang would notice
         self.client_gone = False
         self.sampling: dict | None = None  # the effective sampling parameters (chat: after defaults)
+        self.cached_tokens = 0             # prompt tokens found in the prefix cache: no prefill for them
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "endpoint": self.endpoint, "arrived": self.arrived, "admitted": self.admitted,
                 "first_token": self.first_token, "finished": self.finished, "finish": self.finish,
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
-                "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone}
+                "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone,
+                "cached_tokens": self.cached_tokens}
+
+
+CHUNK_TOKENS = 16     # the cache's unit (SGLang's radix tree matches token by token; 16 is close enough)
+CHARS_PER_TOKEN = 4   # texts.estimate_tokens' ratio: a text chunk of 64 characters is 16 tokens
+
+
+class PrefixCache:
+    """SGLang's radix cache, as far as the time model needs it: how many leading prompt tokens
+    were seen before (mem_cache/radix_cache.py RadixCache.match_prefix), with LRU eviction
+    when the cached tokens pass the KV pool (evict(), leaves least recently used first).
+
+    A prompt is cut into chunks of CHUNK_TOKENS tokens (64 characters of text, or 16 ids); each
+    chunk is keyed by a hash chained over the chunks before it, so a key stands for the whole
+    prefix up to its end, like a path in the radix tree. A prompt matches as many leading chunks
+    as are cached, then all of its chunks are inserted (SGLang inserts after prefill; inserting
+    at arrival means two same-prefix requests arriving together both hit, as an in-batch prefix
+    share would make them). SGLang always computes the last token, so at most prompt_tokens - 1
+    are cached.
+    """
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_chunks = max(1, capacity_tokens // CHUNK_TOKENS)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def match_insert(self, prompt: str | list[int], prompt_tokens: int) -> int:
+        """Cached tokens of ``prompt`` (before this request), and ``prompt`` cached from now on."""
+        step = CHUNK_TOKENS * CHARS_PER_TOKEN if isinstance(prompt, str) else CHUNK_TOKENS
+        h, matched, missed = 0, 0, False
+        for at in range(0, len(prompt) - step + 1, step):   # whole chunks only
+            chunk = prompt[at:at + step]
+            h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
+            if not missed and h in self._lru:
+                matched += 1
+                self._lru.move_to_end(h)
+                continue
+            missed = True
+            self._lru[h] = None
+        while len(self._lru) > self.capacity_chunks:
+            self._lru.popitem(last=False)
+        return max(0, min(prompt_tokens - 1, matched * CHUNK_TOKENS))
+
+    def clear(self) -> None:
+        self._lru.clear()
 
 
 class Engine:
@@ -94,6 +139,8 @@ class Engine:
         self._t = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self.records: deque[RequestRecord] = deque(maxlen=settings.keep_records)
+        kv = settings.max_total_num_tokens or settings.max_running_requests * 4096
+        self.prefix_cache = PrefixCache(kv) if settings.radix_cache else None
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -107,6 +154,7 @@ class Engine:
         self.orphaned = 0              # ended by itself after its client had gone (not yet noticed)
         self.orphaned_tokens = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0         # of prompt_tokens, found in the prefix cache (no prefill)
         self._done_tokens = 0          # tokens of requests no longer decoding (kept or not)
         self.aborted_tokens = 0
         self.dropped_tokens = 0
@@ -116,6 +164,10 @@ class Engine:
         self.e2e = Histogram(E2E_BUCKETS)
 
     # --- time -----------------------------------------------------------------------------------
+
+    def _lp(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "the engine has not seen a request yet"
+        return self._loop
 
     def _now(self) -> float:
         if self._loop is None:
@@ -156,20 +208,21 @@ class Engine:
         self.records.append(rec)
         self.requests += 1
         self.prompt_tokens += rec.prompt_tokens
+        self.cached_tokens += rec.cached_tokens
         if drop_at is not None:
             rec.dropped = True
             rec.cut_at = min(drop_at, rec.target)
         if self.s.instant:
             # No time passes, so a dropped request ends at its drop point.
             rec.admitted = rec.first_token = time.time()
-            self._close(rec, rec.cut_at if rec.dropped else rec.target,
+            self._close(rec, (rec.cut_at or 0) if rec.dropped else rec.target,
                         "drop" if rec.dropped else rec.natural_finish, now)
             return rec
         self.live_rids[rec.rid] = rec
         self._seq += 1
         rec.seq = self._seq
         self._inflight[rec.seq] = rec
-        rec.done = self._loop.create_future()
+        rec.done = self._lp().create_future()
         self._queue.append(rec)
         self.queued += 1
         self.peak_queued = max(self.peak_queued, self.queued)
@@ -182,6 +235,7 @@ class Engine:
         client disconnect (see ``disconnect``)."""
         if rec.state == DONE or rec.cut:
             return
+        assert rec.done is not None
         try:
             await asyncio.shield(rec.done)
         except asyncio.CancelledError:
@@ -210,7 +264,7 @@ class Engine:
         if delay <= 0:
             self._abort_disconnected(rec)
         else:
-            self._loop.call_later(delay, self._abort_disconnected, rec)
+            self._lp().call_later(delay, self._abort_disconnected, rec)
 
     def _abort_disconnected(self, rec: RequestRecord) -> None:
         # SGLang sends AbortReq(rid) for it, and the scheduler aborts by prefix: requests whose rid
@@ -293,7 +347,7 @@ class Engine:
                 fut.set_result(None)
         if rec.done is not None:
             # A fresh future for the end itself (nobody waits on it: the handler is gone).
-            rec.done = self._loop.create_future()
+            rec.done = self._lp().create_future()
 
     # --- the event loop of the model ------------------------------------------------------------
 
@@ -306,7 +360,8 @@ class Engine:
             self.queued -= 1
             self.running += 1
             start = max(now, self._prefill_free)
-            end = start + rec.prompt_tokens / (self.s.prefill_tok_s * self.s.speedup)
+            # Cached prompt tokens need no prefill (SGLang computes only the uncached extend part).
+            end = start + (rec.prompt_tokens - rec.cached_tokens) / (self.s.prefill_tok_s * self.s.speedup)
             self._prefill_free = end
             rec.state = PREFILL
             rec.admitted = time.time()
@@ -315,7 +370,7 @@ class Engine:
 
     def _on_timer(self) -> None:
         self._timer = None
-        now = self._loop.time()
+        now = self._lp().time()
         self._advance(now)
         # Finished decodes first (they free slots), with a tolerance of a microsecond of decoding.
         done_v = self._v + self.rate_per_request() * 1e-6
@@ -370,7 +425,7 @@ class Engine:
             self._timer.cancel()
             self._timer = None
         if when != math.inf:
-            self._timer = self._loop.call_at(when, self._on_timer)
+            self._timer = self._lp().call_at(when, self._on_timer)
 
     # --- reporting ------------------------------------------------------------------------------
 
@@ -385,6 +440,7 @@ class Engine:
             "orphaned": self.orphaned, "orphaned_tokens": self.orphaned_tokens,
             "generated_tokens": self.generated_tokens(), "aborted_tokens": self.aborted_tokens,
             "dropped_tokens": self.dropped_tokens, "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "peak_running": self.peak_running, "peak_queued": self.peak_queued,
             "gen_throughput": self.throughput(),
         }

@@ -157,7 +157,8 @@ def _output(rec: RequestRecord, tokens: int, cap: int, final: bool) -> dict:
     # tokenizer_manager._handle_batch_output's keys, in its order (no dp_rank: one DP rank).
     meta: dict[str, Any] = {"id": rec.rid, "finish_reason": finish_json(rec, cap) if final else None,
             "prompt_tokens": rec.prompt_tokens, "weight_version": WEIGHT_VERSION, "num_retractions": 0,
-            "reasoning_tokens": min(tokens, rec.reasoning_target), "completion_tokens": tokens, "cached_tokens": 0}
+            "reasoning_tokens": min(tokens, rec.reasoning_target), "completion_tokens": tokens,
+            "cached_tokens": rec.cached_tokens}
     if final:
         meta["e2e_latency"] = end - rec.arrived
         meta["response_sent_to_client_ts"] = now

@@ -54,13 +54,16 @@ async def oai_body(request: web.Request) -> dict:
 
 
 
-def _usage(recs: list[RequestRecord]) -> dict:
+def _usage(recs: list[RequestRecord], cache_report: bool = False) -> dict:
     # protocol.UsageInfo's keys in its order (usage_processor.calculate_token_usage).
+    # prompt_tokens_details only with --enable-cache-report (calculate_response_usage).
     prompt = sum(r.prompt_tokens for r in recs)
     completion = sum(r.completion_tokens for r in recs)
     reasoning = sum(min(r.completion_tokens, r.reasoning_target) for r in recs)
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": None, "reasoning_tokens": reasoning,
+            "prompt_tokens_details": ({"cached_tokens": sum(r.cached_tokens for r in recs)} if cache_report
+                                      else None),
+            "reasoning_tokens": reasoning,
             "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
 
 
@@ -99,7 +102,7 @@ class OpenAIRoutes:
             separate = bool(self.s.reasoning_parser) and body.get("separate_reasoning", True) is not False
             if (err := self.runner.injected_error()) is not None:
                 raise err
-            item = Item(_rid(body), estimate_tokens(text), max_tokens, "chat", thinking=thinking)
+            item = Item(_rid(body), estimate_tokens(text), max_tokens, "chat", thinking=thinking, prompt=text)
             self.runner.check_context(item)
             item.sampling = chat_sampling(body, self.s.generation_config)
             try:
@@ -119,7 +122,7 @@ class OpenAIRoutes:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content,
                                                   "reasoning_content": reasoning},
                          "logprobs": None, "finish_reason": _FINISH[rec.finish], "matched_stop": _matched(rec)}],
-            "usage": _usage([rec]), "metadata": _METADATA,
+            "usage": _usage([rec], self.s.enable_cache_report), "metadata": _METADATA,
         })
 
     async def _chat_stream(self, request: web.Request, rec: RequestRecord, model: str, separate: bool,
@@ -149,7 +152,8 @@ class OpenAIRoutes:
                                    _FINISH[rec.finish], _matched(rec)))
             if include_usage:
                 await resp.write(sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created,
-                                      "model": model, "choices": [], "usage": _usage([rec])}))
+                                      "model": model, "choices": [],
+                                      "usage": _usage([rec], self.s.enable_cache_report)}))
             return await close_sse(resp)
 
     # --- completions ----------------------------------------------------------------------------
@@ -179,7 +183,7 @@ class OpenAIRoutes:
             "created": int(time.time()), "model": model,
             "choices": [{"index": i, "text": inline_text(r.completion_tokens, r.reasoning_target), "logprobs": None,
                          "finish_reason": _FINISH[r.finish], "matched_stop": _matched(r)} for i, r in enumerate(recs)],
-            "usage": _usage(recs), "metadata": _METADATA,
+            "usage": _usage(recs, self.s.enable_cache_report), "metadata": _METADATA,
         })
 
     async def _completions_stream(self, request: web.Request, recs: list[RequestRecord], model: str,
@@ -207,7 +211,7 @@ class OpenAIRoutes:
                     await resp.write(chunk(i, delta))
             if include_usage:
                 await resp.write(sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                      "choices": [], "usage": _usage(recs)}))
+                                      "choices": [], "usage": _usage(recs, self.s.enable_cache_report)}))
             return await close_sse(resp)
 
 

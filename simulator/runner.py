@@ -54,6 +54,7 @@ class Item:
     input_ids_head: list[int] | None = None
     thinking: bool = True           # chat_template_kwargs.enable_thinking=false turns it off
     sampling: dict | None = None    # the effective sampling parameters, recorded for /sim/requests
+    prompt: str | list[int] | None = None   # what the prefix cache matches (text or ids); None: no cache
 
 
 class Runner:
@@ -75,9 +76,9 @@ class Runner:
     def prompt_item(self, rid: str | None, prompt: str | list[int], cap: int | None, endpoint: str) -> Item:
         """An Item for a text prompt or a list of token ids, after SGLang's context checks."""
         if isinstance(prompt, list):
-            item = Item(rid, len(prompt), cap, endpoint, input_ids_head=prompt[:8])
+            item = Item(rid, len(prompt), cap, endpoint, input_ids_head=prompt[:8], prompt=prompt)
         else:
-            item = Item(rid, estimate_tokens(prompt), cap, endpoint)
+            item = Item(rid, estimate_tokens(prompt), cap, endpoint, prompt=prompt)
         self.check_context(item)
         return item
 
@@ -129,6 +130,9 @@ class Runner:
                                 "length" if wanted >= cap else "stop", item.endpoint, item.input_ids_head,
                                 round(frac * wanted))
             rec.sampling = item.sampling
+            cache = self.engine.prefix_cache
+            if cache is not None and item.prompt is not None:
+                rec.cached_tokens = cache.match_insert(item.prompt, item.prompt_tokens)
             # One connection per HTTP request: a drop is rolled once and cuts the first item.
             drop_at = self.faults.drop_at(target) if drop and i == 0 else None
             recs.append(self.engine.submit(rec, drop_at))

@@ -50,3 +50,8 @@ class SimSettings:
     # A model's generation_config.json sampling defaults, filled into unset chat fields
     # (SGLang's --sampling-defaults model). Keys: temperature, top_p, top_k, min_p, repetition_penalty.
     generation_config: dict[str, float] = field(default_factory=dict)
+    # SGLang's radix (prefix) cache: cached prompt tokens skip prefill and are reported as
+    # cached_tokens (simulator/model.py PrefixCache). Off by default so timings of older runs hold.
+    radix_cache: bool = False
+    # --enable-cache-report: chat/completions usage gets prompt_tokens_details.cached_tokens.
+    enable_cache_report: bool = False

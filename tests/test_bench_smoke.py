@@ -28,6 +28,9 @@ KEY_RATIO = {
     "check_rate": "peak RSS ratio to the smallest",
     "end_game": "used/budget (worst)",
     "regenerate_cost": "ratio all / last",
+    "ceiling": "ratio to goal",
+    "prefix_routing": "ratio prefix / least_loaded",
+    "concurrency_auto": "ratio auto / best fixed",
 }
 
 

@@ -61,7 +61,8 @@ def _seed(conn) -> float:
     conn.delete(keys.rate_key("A1"), keys.rate_key("B2"))
     conn.hset(keys.rate_key("A1"), mapping={str(bucket - 30): 600, str(bucket - 120): 200})
     ep_a, ep_b = "http://gpu-a:30000", "http://gpu-b:30000"
-    _worker_hash(conn, "w1", {ep_a: {"healthy": True, "in_flight": 5, "failures": 0, "ejected_since": None},
+    _worker_hash(conn, "w1", {ep_a: {"healthy": True, "in_flight": 5, "failures": 0, "ejected_since": None,
+                                     "prompt_tokens": 1000, "cached_tokens": 600},
                               ep_b: {"healthy": False, "in_flight": 0, "failures": 3, "ejected_since": now - 20}},
                  in_flight=5, started_at=now - 100)
     _worker_hash(conn, "w2", {ep_a: {"healthy": False, "in_flight": 2, "failures": 1, "ejected_since": None},
@@ -103,7 +104,7 @@ def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     eps = {e["url"]: e for e in snap["endpoints"]}
     assert eps["http://gpu-a:30000"] | {} == {"url": "http://gpu-a:30000", "healthy": True, "in_flight": 7,
                                               "failures": 1, "workers": 2, "healthy_workers": 1,
-                                              "ejected_since": None}
+                                              "ejected_since": None, "prompt_tokens": 1000, "cached_tokens": 600}
     b = eps["http://gpu-b:30000"]
     assert b["healthy"] is False and b["failures"] == 7 and b["ejected_since"] == now - 50
     assert eps["http://gpu-c:30000"]["healthy"] is None and eps["http://gpu-c:30000"]["workers"] == 0

@@ -278,3 +278,35 @@ def test_leak_candidates_are_forgotten_once_nothing_is_reserved(conn):
     r = Report()
     m._release_leaks("D", r)
     assert r.leaks_released == 0 and conn.hexists(keys.resv_key("D"), "a")
+
+
+def test_slots_resize_grows_at_once_and_shrinks_as_held_slots_come_back():
+    from worker.context import Slots
+
+    async def scenario() -> None:
+        slots = Slots(2)
+        await slots.acquire()
+        await slots.acquire()
+        slots.resize(3)                      # one more free at once
+        await asyncio.wait_for(slots.acquire(), 1)
+        assert (slots.held, slots.limit) == (3, 3)
+        slots.resize(1)                      # fewer: nothing is taken from running requests
+        slots.release()
+        slots.release()                      # two released, both retired
+        assert slots.held == 1
+        blocked = asyncio.ensure_future(slots.acquire())
+        await asyncio.sleep(0)
+        assert not blocked.done()            # one in flight is the limit now
+        slots.release()
+        await asyncio.wait_for(blocked, 1)
+        assert slots.held == 1
+        slots.resize(2)                      # grows: one more free at once
+        await asyncio.wait_for(slots.acquire(), 1)
+        assert (slots.held, slots.peak) == (2, 3)
+        slots.resize(1)
+        slots.resize(2)                      # a shrink undone before any slot came back retires nothing
+        slots.release()
+        await asyncio.wait_for(slots.acquire(), 1)
+        assert slots.held == 2
+
+    asyncio.run(scenario())

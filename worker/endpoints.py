@@ -1,4 +1,19 @@
-"""The SGLang endpoints a worker sends to: least in-flight first, eject on failure, re-admit on health.
+"""The SGLang endpoints a worker sends to: least in-flight or prefix-aware, eject on failure,
+re-admit on health.
+
+Routing (``server.routing``). ``least_loaded``: the healthy endpoint with the fewest requests
+in flight. ``prefix``: requests whose routing key (the first ``prefix_chars`` characters of
+the rendered messages, or the first ``prefix_chars // 4`` input ids) is the same go to the
+same endpoint, so that server's radix cache holds their shared prefix and skips its prefill.
+The endpoint is chosen by consistent hashing with bounded loads (after Mirrokni, Thorup and
+Zadimoghaddam, 2018, with the bound taken against the least-loaded endpoint instead of the
+mean, so that no server starves either): the healthy endpoints are ranked by a rendezvous hash
+of (key, url) and the first whose in-flight count stays within ``prefix_balance`` x the
+least-loaded one's (+2) takes the request; else the least loaded does.
+A hot prefix thus spills over to its second-ranked endpoint (always the same one, which then
+caches it too) instead of piling onto one server; a key's first choice changes only when an
+endpoint leaves or joins. Each worker process balances its own requests; summed over workers
+the loads stay within the same bound.
 
 An endpoint that fails ``eject_after_failures`` times in a row is taken out; a probe then
 asks its /health every ``health_interval_s`` and puts it back once it answers 200. When
@@ -9,6 +24,7 @@ the worker logs it once, plainly, instead of failing every job.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -17,8 +33,10 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from shared.config import ServerConfig
+from shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.endpoints")
+_SLACK = 2   # requests an endpoint may hold over prefix_balance x the least-loaded one's
 
 
 @dataclass
@@ -30,30 +48,75 @@ class Endpoint:
     ejected_since: float | None = None
     requests: int = 0
     errors: int = 0
+    # Its share of this worker's requests (worker/capacity.py sets it from the server's size
+    # under concurrency: auto); loads compare in_flight / weight. 1 for every endpoint otherwise.
+    weight: float = 1.0
+    prompt_tokens: int = 0      # of answered requests
+    cached_tokens: int = 0      # of those, found in the server's prefix cache
     _probe: asyncio.Task | None = field(default=None, repr=False)
+    _seed: bytes = field(default=b"", repr=False)
 
     def snapshot(self) -> dict:
         return {"healthy": self.healthy, "in_flight": self.in_flight, "failures": self.failures,
-                "ejected_since": self.ejected_since, "requests": self.requests, "errors": self.errors}
+                "ejected_since": self.ejected_since, "requests": self.requests, "errors": self.errors,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+
+
+def routing_key(payload: JobPayload, prefix_chars: int) -> bytes:
+    """What decides a request's endpoint under prefix routing: the start of what the server caches.
+
+    Chat: the first ``prefix_chars`` characters of the messages, role and content, in order (the
+    server's chat template puts them in that order, so equal starts mean a shared KV prefix).
+    Generate: the first ``prefix_chars // 4`` input ids (about 4 characters a token)."""
+    if payload.input_ids is not None:
+        head = payload.input_ids[:max(1, prefix_chars // 4)]
+        return b"ids:" + ",".join(map(str, head)).encode()
+    parts: list[str] = []
+    size = 0
+    for m in payload.messages:
+        parts.append(f"{m.role}\x00{m.content}\x01")
+        size += len(parts[-1])
+        if size >= prefix_chars:
+            break
+    return b"chat:" + "".join(parts)[:prefix_chars].encode("utf-8", "surrogatepass")
+
+
+def _rank(key: bytes, ep: Endpoint) -> bytes:
+    """Rendezvous (highest random weight) score of ``ep`` for ``key``."""
+    return hashlib.blake2b(key, digest_size=8, key=ep._seed).digest()
 
 
 class EndpointPool:
     def __init__(self, server: ServerConfig, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
         self._server = server
-        self._session = session
-        self._headers = headers
-        self.endpoints = [Endpoint(u) for u in server.urls]
+        self.session = session
+        self.headers = headers
+        self.endpoints = [Endpoint(u, _seed=hashlib.blake2b(u.encode(), digest_size=16).digest())
+                          for u in server.urls]
         self._any_healthy = asyncio.Event()
         self._any_healthy.set()
         self._down_logged_at = 0.0
 
-    def pick(self) -> Endpoint | None:
-        """The healthy endpoint with the fewest requests in flight (ties broken at random)."""
+    def pick(self, key: bytes | None = None) -> Endpoint | None:
+        """Where the next request goes: by ``key`` (prefix routing) within the load bound, else
+        the healthy endpoint with the fewest requests in flight (ties broken at random)."""
         healthy = [e for e in self.endpoints if e.healthy]
         if not healthy:
             return None
-        low = min(e.in_flight for e in healthy)
-        return random.choice([e for e in healthy if e.in_flight == low])
+        low = min(e.in_flight / e.weight for e in healthy)
+        if key is not None and len(healthy) > 1:
+            # Bounded loads: an endpoint takes a request only while it holds at most prefix_balance x
+            # the least-loaded one's (+ a little slack, so a handful in flight does not scatter keys).
+            balance = self._server.prefix_balance
+            for e in sorted(healthy, key=lambda e: _rank(key, e), reverse=True):
+                if e.in_flight + 1 - _SLACK <= balance * low * e.weight:
+                    return e
+        return random.choice([e for e in healthy if e.in_flight / e.weight == low])
+
+    def served(self, ep: Endpoint, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count an answered request's prompt tokens and how many of them the server had cached."""
+        ep.prompt_tokens += prompt_tokens
+        ep.cached_tokens += cached_tokens
 
     async def wait_healthy(self) -> None:
         if not self._any_healthy.is_set() and time.monotonic() - self._down_logged_at > 30:
@@ -81,7 +144,7 @@ class EndpointPool:
         while True:
             await asyncio.sleep(self._server.health_interval_s)
             try:
-                async with self._session.get(ep.url + "/health", headers=self._headers, timeout=timeout) as resp:
+                async with self.session.get(ep.url + "/health", headers=self.headers, timeout=timeout) as resp:
                     if resp.status == 200:
                         break
             except (aiohttp.ClientError, TimeoutError):

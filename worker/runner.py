@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import redis.asyncio as aredis
@@ -37,6 +37,7 @@ from shared.retry import REDIS_DOWN, retry_redis
 from shared.scripts import Batcher
 from shared.stats import Stat
 from worker import rq_adapter
+from worker.capacity import START, Capacity
 from worker.context import JobContext, Slots
 from worker.control import Control
 from worker.estimator import LengthModel
@@ -57,17 +58,17 @@ T = TypeVar("T")
 
 
 class ConcurrentWorker:
-    def __init__(self, cfg: Config, concurrency: int, burst: bool = False, grace_s: float | None = None) -> None:
+    def __init__(self, cfg: Config, concurrency: int | Literal["auto"], burst: bool = False,
+                 grace_s: float | None = None) -> None:
         self.cfg = cfg
-        self.concurrency = concurrency
+        # concurrency auto (issue 18): sized from the servers by worker/capacity.py once running.
+        self.auto = concurrency == "auto"
         self.burst = burst
         self.grace_s = cfg.worker.grace_s if grace_s is None else grace_s
         self.ttl = cfg.worker.heartbeat_ttl_s
         self.name = f"budgetq-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.conn = connect(cfg.redis_url)
-        # Jobs claimed ahead of a free server slot, so a slot refills at once.
-        self.prefetch = concurrency // 4 + 4
-        self.slots = Slots(concurrency)
+        self.slots = Slots(START * len(cfg.server.urls) if concurrency == "auto" else concurrency)
         self.jobs: JobTable = {}
         self.length = LengthModel()
         # Redis round trips outside the batcher (heartbeats, status); with the batcher's, the
@@ -98,7 +99,8 @@ class ConcurrentWorker:
     ctx: JobContext
 
     def _build(self) -> None:
-        self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8))
+        self.aconn = aconnect(self.cfg.redis_url, max_connections=max(8, self.concurrency // 8,
+                                                                      32 if self.auto else 0))
         self.batch = Batcher(self.aconn)
         self.maintenance = Maintenance(self.conn, self.cfg.worker.maintenance_interval_s)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
@@ -107,13 +109,25 @@ class ConcurrentWorker:
                                    on_retry=lambda ds: self.recorder.count(ds, Stat.RETRIED))
         self.control = Control(self.aconn, self.batch, self.length, self.jobs, self.wake,
                                self.cfg.worker.taper_estimate)
+        self.capacity = Capacity(self.name, self.aconn, self.client.pool, self.slots, self.wake,
+                                 self.cfg.worker.capacity_interval_s) if self.auto else None
         self.ctx = JobContext(batch=self.batch, client=self.client, slots=self.slots, length=self.length,
                               control=self.control, recorder=self.recorder, jobs=self.jobs, wake=self.wake)
 
     @property
     def round_trips(self) -> int:
         return (self.batch.round_trips + self.other_round_trips + self.control.round_trips
-                + self.recorder.round_trips)
+                + self.recorder.round_trips + (self.capacity.round_trips if self.capacity else 0))
+
+    @property
+    def concurrency(self) -> int:
+        """Requests this process keeps in flight (changes live with concurrency: auto)."""
+        return self.slots.limit
+
+    @property
+    def prefetch(self) -> int:
+        """Jobs claimed ahead of a free server slot, so a slot refills at once."""
+        return self.slots.limit // 4 + 4
 
     @property
     def processed(self) -> int:
@@ -304,6 +318,7 @@ class ConcurrentWorker:
                 self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
                 self._every(FLUSH_INTERVAL_S, self.recorder.flush, "stats"),
                 self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
+                *([self.capacity.run(self.stopping)] if self.capacity else []),
             )]
             try:
                 await self._feed()

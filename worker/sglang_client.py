@@ -23,7 +23,7 @@ from shared.errors import (
 from shared.retry import backoff_s
 from shared.sampling import explicit
 from shared.schema import JobPayload
-from worker.endpoints import Endpoint, EndpointPool
+from worker.endpoints import Endpoint, EndpointPool, routing_key
 
 log = logging.getLogger("budgetq.worker")
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -73,6 +73,9 @@ class Completion:
     finish_reason: str
     endpoint: str
     latency_s: float
+    # Prompt tokens the server found in its prefix cache (SGLang: meta_info.cached_tokens on
+    # /generate; usage.prompt_tokens_details.cached_tokens on chat with --enable-cache-report).
+    cached_tokens: int = 0
 
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
@@ -154,7 +157,8 @@ def parse_response(api: str, body: dict, url: str, started: float) -> Completion
             msg = choice["message"]
             kind = str(choice["finish_reason"])
             out = Completion(msg.get("content") or "", msg.get("reasoning_content"), int(usage["prompt_tokens"]),
-                             int(usage["completion_tokens"]), kind, url, time.monotonic() - started)
+                             int(usage["completion_tokens"]), kind, url, time.monotonic() - started,
+                             int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
             detail: dict = {}
         else:
             meta = body["meta_info"]
@@ -162,7 +166,7 @@ def parse_response(api: str, body: dict, url: str, started: float) -> Completion
             detail = fr if isinstance(fr, dict) else {}
             kind = str(fr.get("type") if isinstance(fr, dict) else fr)
             out = Completion(body["text"], None, int(meta["prompt_tokens"]), int(meta["completion_tokens"]),
-                             kind, url, time.monotonic() - started)
+                             kind, url, time.monotonic() - started, int(meta.get("cached_tokens") or 0))
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise BadResponseError(f"unexpected response from {url}: {exc!r}: {str(body)[:300]}") from exc
     _check_finish(kind, detail, url)
@@ -267,8 +271,9 @@ class SGLangClient:
         aborted response, a 4xx) does not count against its endpoint's health.
         """
         attempt = 0
+        key = routing_key(payload, self._server.prefix_chars) if self._server.routing == "prefix" else None
         while True:
-            ep = self.pool.pick()
+            ep = self.pool.pick(key)
             if ep is None:
                 await self.pool.wait_healthy()
                 continue
@@ -293,6 +298,7 @@ class SGLangClient:
                 self.pool.success(ep)  # the server answered: the endpoint itself is fine
                 raise
             self.pool.success(ep)
+            self.pool.served(ep, out.prompt_tokens, out.cached_tokens)
             return out
 
 

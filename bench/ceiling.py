@@ -1,0 +1,192 @@
+"""The ceiling of one Redis and one collector (issue 18): what one core of each can carry.
+
+    python bench/ceiling.py [--quick | --smoke]
+
+Redis. The whole pipeline -- the real producer (enqueue, collect, monitor) and N = 1, 2, 4
+``budgetq worker`` processes -- runs a dataset to the end against ``budgetq sim --instant``
+on a private redis-server. Before and after, the benchmark reads that server's INFO: ``cpu``
+(used_cpu_user + used_cpu_sys: everything the server spent, event loop and cron included),
+``commandstats`` (usec inside commands only), ``stats`` (total_reads_processed ~ round trips,
+total_net_input_bytes / total_net_output_bytes). Divided by the prompts run, the CPU
+microseconds give the projected prompts/s of one Redis core (1e6 / us per prompt): Redis
+executes commands on one thread, so that is its ceiling, whatever the number of workers.
+Goal: >= 20,000 prompts/s.
+
+Collector. ``producer.collector.Collector`` is driven directly: a results stream is filled
+with M entries of 4 KB rows (the fields commit.lua writes: id, kind, row), then one
+``drain()`` writes them all to out/<dataset>.jsonl (fsynced). Rows/s and MB/s by wall time
+and by the collector's own CPU time (one core). Goal: >= 10,000 rows/s of 4 KB rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import _common as c
+
+from shared import keys
+from shared.identity import job_id
+
+DS = "C1"
+REDIS_GOAL = 20_000.0
+COLLECTOR_GOAL = 10_000.0
+ROW_BYTES = 4096
+
+
+@dataclass
+class RedisRun:
+    workers: int
+    prompts: int
+    seconds: float
+    cpu_us: float        # per prompt, INFO cpu
+    top: list[tuple[str, float, float]]   # (command, calls/prompt, usec/prompt), by usec
+    commands: float      # per prompt
+    reads: float         # per prompt: socket reads, ~ round trips
+    bytes_in: float      # per prompt
+    bytes_out: float     # per prompt
+
+    @property
+    def projected(self) -> float:
+        return 1e6 / self.cpu_us
+
+
+def redis_counters(conn) -> dict[str, float]:
+    cpu = conn.info("cpu")
+    stats = conn.info("stats")
+    cmd = conn.info("commandstats")
+    return {"cpu_s": float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+            **{f"usec:{k.removeprefix('cmdstat_')}": float(v["usec"]) for k, v in cmd.items()},
+            **{f"calls:{k.removeprefix('cmdstat_')}": float(v["calls"]) for k, v in cmd.items()},
+            # Commands run by a script or inside MULTI count here as well as in EVALSHA/EXEC.
+            "commands": float(sum(v["calls"] for v in cmd.values())),
+            "reads": float(stats["total_reads_processed"]),
+            "in": float(stats["total_net_input_bytes"]), "out": float(stats["total_net_output_bytes"])}
+
+
+def redis_run(stack: c.Stack, sim: c.Sim, n: int, workers: int, per_worker: int) -> RedisRun:
+    stack.flush()
+    conn = stack.conn()
+    conn.config_resetstat()
+    data = stack.dir / f"{DS}.jsonl"
+    c.write_prompts(data, n)
+    cfg = stack.config(sim.url, [c.dataset(DS, data, 10**12, max_tokens=64, prior=16)],
+                       producer={"progress": "off"}, worker={"concurrency": per_worker})
+    before = redis_counters(conn)
+    t0 = time.monotonic()
+    stack.run(cfg, f"w{workers}", workers, per_worker)
+    seconds = time.monotonic() - t0
+    after = redis_counters(conn)
+    committed = int(conn.hget(keys.stats_key(DS), "committed") or 0)
+    if committed != n:
+        raise RuntimeError(f"{workers} workers: {committed} of {n} prompts committed")
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    names = [k.split(":", 1)[1] for k in d if k.startswith("usec:")]
+    top = sorted(((m, d[f"calls:{m}"] / n, d[f"usec:{m}"] / n) for m in names), key=lambda t: -t[2])[:8]
+    return RedisRun(workers, n, seconds, 1e6 * d["cpu_s"] / n, top, d["commands"] / n,
+                    d["reads"] / n, d["in"] / n, d["out"] / n)
+
+
+@dataclass
+class CollectorRun:
+    rows: int
+    row_bytes: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def rows_per_cpu_s(self) -> float:
+        return self.rows / self.cpu_s
+
+
+def fill_results(conn, n: int, row_bytes: int) -> None:
+    """n entries shaped like commit.lua's XADD: id (job id), kind, row (the JSON line)."""
+    pad = "x" * row_bytes
+    pipe = conn.pipeline(transaction=False)
+    for i in range(n):
+        pid = f"p{i}"
+        row = {"id": pid, "dataset": DS, "messages": [{"role": "user", "content": "q"}],
+               "completion": pad, "finish_reason": "stop", "completion_tokens": 900}
+        line = json.dumps(row)
+        # Trim the padding so every line is row_bytes long (the test of "4 KB rows").
+        row["completion"] = pad[: max(0, row_bytes - (len(line) - row_bytes))]
+        pipe.xadd(keys.results_key(DS), {"id": job_id(DS, pid), "kind": "row", "row": json.dumps(row)})
+        if i % 1000 == 999:
+            pipe.execute()
+    pipe.execute()
+
+
+def collector_run(stack: c.Stack, n: int) -> CollectorRun:
+    from producer.collector import Collector
+
+    stack.flush()
+    conn = stack.conn()
+    fill_results(conn, n, ROW_BYTES)
+    out = stack.dir / "collected"
+    shutil.rmtree(out, ignore_errors=True)
+    col = Collector(conn, out, [DS])
+    t0, p0 = time.perf_counter(), time.process_time()
+    wrote = col.drain()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - p0
+    if wrote != n:
+        raise RuntimeError(f"collector wrote {wrote} of {n} rows")
+    size = (out / f"{DS}.jsonl").stat().st_size
+    return CollectorRun(n, size // n, wall, cpu)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer prompts (< 1 min)")
+    ap.add_argument("--smoke", action="store_true", help="tiny, for the test suite")
+    args = ap.parse_args(argv)
+    n, rows = (20_000, 50_000)
+    if args.quick:
+        n, rows = 4000, 20_000
+    if args.smoke:
+        n, rows = 300, 1000
+    c.print_header("Ceiling: Redis CPU per prompt and collector rows/s on one core", ["bench/ceiling.py", *argv])
+    sim = c.Sim("--instant", "--length-mean", "16", "--keep-records", "0")
+    stack = c.Stack.start()
+    try:
+        runs = []
+        for workers in (1, 2, 4):
+            runs.append(redis_run(stack, sim, n, workers, 128))
+            print(f"  {workers} workers: {runs[-1].cpu_us:.1f} redis CPU us/prompt", flush=True)
+        col = collector_run(stack, rows)
+        print(f"  collector: {col.rows / col.wall_s:,.0f} rows/s", flush=True)
+    finally:
+        stack.close()
+        sim.close()
+    print(c.md_table(
+        ["workers", "prompts", "wall s", "redis CPU us/prompt", "commands/prompt",
+         "round trips/prompt (socket reads)", "bytes in/prompt", "bytes out/prompt",
+         "projected prompts/s of one Redis core", "ratio to 20,000/s goal"],
+        [[r.workers, r.prompts, r.seconds, r.cpu_us, r.commands, r.reads, r.bytes_in, r.bytes_out,
+          r.projected, r.projected / REDIS_GOAL] for r in runs]))
+    print()
+    print(f"Where Redis spends it ({runs[-1].workers} workers; INFO commandstats usec is wall time, and a script's or "
+          "a MULTI's commands count both on their own and inside EVALSHA/EXEC):")
+    print(c.md_table(["command", "calls/prompt", "usec/prompt"], runs[-1].top))
+    print()
+    mb = col.rows * col.row_bytes / 1e6
+    print(c.md_table(
+        ["rows", "bytes/row", "wall s", "collector CPU s", "rows/s (wall)", "MB/s (wall)", "rows/s per CPU s",
+         "ratio to 10,000/s goal (wall)"],
+        [[col.rows, col.row_bytes, col.wall_s, col.cpu_s, col.rows / col.wall_s, mb / col.wall_s,
+          col.rows_per_cpu_s, col.rows / col.wall_s / COLLECTOR_GOAL]]))
+    print()
+    worst = max(runs, key=lambda r: r.cpu_us)
+    print(c.md_table(
+        ["component", "measured", "goal", "ratio to goal", "goal"],
+        [["one Redis core, prompts/s (worst of 1/2/4 workers)", worst.projected, REDIS_GOAL,
+          worst.projected / REDIS_GOAL, "met" if worst.projected >= REDIS_GOAL else "missed"],
+         ["one collector, 4 KB rows/s", col.rows / col.wall_s, COLLECTOR_GOAL, col.rows / col.wall_s / COLLECTOR_GOAL,
+          "met" if col.rows / col.wall_s >= COLLECTOR_GOAL else "missed"]]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
