@@ -19,7 +19,9 @@ demo: $(BIN)/budgetq
 
 test: $(BIN)/budgetq
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/pytest -q
 
 lint: $(BIN)/budgetq
 	$(BIN)/ruff check .
+	$(BIN)/mypy
