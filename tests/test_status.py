@@ -129,13 +129,13 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
     for needle in ("A1", "B2", "8.00%", "w1", "gpu-node-1", "http://gpu-a:30000", "healthy", "down", "budget_set"):
         assert needle in text.stdout, needle
 
-    watch = subprocess.Popen([*CLI, "status", "--redis-url", redis_url, "--watch", "--json", "--interval", "0.2"],
-                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        first, second = json.loads(watch.stdout.readline()), json.loads(watch.stdout.readline())
-    finally:
-        watch.terminate()
-        watch.wait(10)
+    with subprocess.Popen([*CLI, "status", "--redis-url", redis_url, "--watch", "--json", "--interval", "0.2"],
+                          cwd=ROOT, stdout=subprocess.PIPE, text=True) as watch:
+        try:
+            first, second = json.loads(watch.stdout.readline()), json.loads(watch.stdout.readline())
+        finally:
+            watch.terminate()
+            watch.wait(10)
     assert second["generated_at"] > first["generated_at"] and second["datasets"][0]["used"] == 800
 
     bad = _cli("status", "--redis-url", f"redis://:hunter2pw@127.0.0.1:{free_port()}/0")
