@@ -50,3 +50,7 @@ class SimSettings:
     # A model's generation_config.json sampling defaults, filled into unset chat fields
     # (SGLang's --sampling-defaults model). Keys: temperature, top_p, top_k, min_p, repetition_penalty.
     generation_config: dict[str, float] = field(default_factory=dict)
+    # Hidden states (simulator/hidden.py): the server's ceiling, as --return-hidden-states-mode
+    # (None: off, requests asking for them get SGLang's 400), and the model's hidden size.
+    return_hidden_states_mode: str | None = None
+    hidden_size: int = 64

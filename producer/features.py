@@ -1,0 +1,401 @@
+"""``budgetq features``: the hidden-state pass over what generation committed (docs/hidden_states.md).
+
+Runs where the output disk is (the producer's side, DESIGN.md: the producer owns the disk). For
+each dataset it:
+- opens the dataset's feature store (producer/feature_store.py), which repairs a crash, and marks
+  every sample on disk done in Redis (``bq:{ds}:features:done``);
+- enqueues one features job per committed row not done and not already queued or started
+  (RQ queue ``bq-<ds>-features``, JSON serializer, at most features.high_water queued), while the
+  disk guard lets it;
+- collects the workers' decoded tensors from ``bq:{ds}:features:results``, writes them as shards,
+  then marks them done and deletes their stream entries (in that order: a crash in between
+  leaves entries whose ids the store recognises and drops);
+- requeues jobs whose lease lapsed (a features worker died);
+- exits once every row is captured, failed (reported) or refused by the disk guard.
+Restart-safe at any point: run it again and it continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from producer.feature_store import FeatureStore
+from producer.features_inputs import FeaturesInputError, committed_rows, conversation_ids
+from producer.tokenize import load_tokenizer
+from shared import jobs, keys
+from shared.config import Config, DatasetConfig
+from shared.errors import ConfigError
+from shared.features_schema import FeaturesMeta, FeaturesPayload
+from shared.identity import job_id
+from shared.scripts import run_many
+
+log = logging.getLogger("budgetq.features")
+JOB_FUNC = "worker.features.run_features_job"
+FAILURE_TTL_S = 7 * 86400
+READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
+MAINTAIN_EVERY_S = 2.0
+MB = 2**20
+_LIVE = {b"queued", b"started", b"deferred", b"scheduled"}
+
+
+class DiskGuard:
+    """Stops admissions before the features would pass features.max_bytes or fill the volume.
+
+    Bytes per token are learnt from the first results (no admission past features.concurrency
+    samples before one has arrived); a sample is admitted only if everything admitted and not yet
+    on disk, plus it, fits under both limits.
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.max_bytes = cfg.features.max_bytes
+        self.min_free = int(cfg.features.min_free_mb * MB)
+        self.first = cfg.features.concurrency
+        self.out_dir = cfg.output_dir
+        self.seen_bytes = 0
+        self.seen_tokens = 0
+        self.reason: str | None = None
+        self.disk_bytes_per_token: float | None = None
+
+    def learn(self, tokens: int, nbytes: int) -> None:
+        self.seen_tokens += tokens
+        self.seen_bytes += nbytes
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        """The larger of what results weighed in the stream and what shards weigh on disk (with
+        token ids, masks and headers), so the estimate errs toward stopping early."""
+        seen = self.seen_bytes / self.seen_tokens if self.seen_tokens else None
+        if seen is None or self.disk_bytes_per_token is None:
+            return seen
+        return max(seen, self.disk_bytes_per_token)
+
+    def admit(self, tokens: int, outstanding_tokens: int, outstanding_jobs: int, on_disk: int, buffered: int) -> bool:
+        if self.reason is not None:
+            return False
+        bpt = self.bytes_per_token
+        if bpt is None:
+            return outstanding_jobs < self.first
+        coming = buffered + (outstanding_tokens + tokens) * bpt
+        if self.max_bytes is not None and on_disk + coming > self.max_bytes:
+            self.reason = (f"features.max_bytes {self.max_bytes} would be passed: {on_disk} bytes on disk, "
+                           f"~{coming:.0f} more coming at {bpt:.0f} bytes/token; raise features.max_bytes to go on")
+            return False
+        free = shutil.disk_usage(self.out_dir).free
+        if coming > free - self.min_free:
+            self.reason = (f"the output volume of {self.out_dir} would fill: {free / MB:.0f} MB free, "
+                           f"~{coming / MB:.0f} MB more coming at {bpt:.0f} bytes/token, "
+                           f"{self.min_free / MB:.0f} MB kept free (features.min_free_mb); free space and run "
+                           "`budgetq features` again to go on")
+            return False
+        return True
+
+
+@dataclass
+class DatasetPass:
+    ds: DatasetConfig
+    store: FeatureStore
+    queue: Queue
+    rows: Iterator
+    rows_done: bool = False
+    held_back: FeaturesPayload | None = None
+    enqueued: int = 0
+    already: int = 0
+    invalid: list[str] = field(default_factory=list)
+    outstanding: dict[str, int] = field(default_factory=dict)  # prompt id -> tokens, enqueued, not yet back
+    captured: int = 0
+    duplicates: int = 0
+    cursor: str = "-"
+    consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
+
+
+@dataclass
+class Report:
+    datasets: dict[str, dict] = field(default_factory=dict)
+    stopped_by: str | None = None
+    failed: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.stopped_by is None and not any(self.failed.values())
+
+
+class FeaturesPass:
+    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None) -> None:
+        if not cfg.server.tokenizer:
+            raise ConfigError("budgetq features needs server.tokenizer: the conversation is re-tokenized with the "
+                              "model's chat template to find the answer's tokens (the loss mask)")
+        self.cfg = cfg
+        self.conn = conn
+        self.tokenizer = load_tokenizer(cfg.server.tokenizer)
+        self.guard = DiskGuard(cfg)
+        self.stop = threading.Event()
+        self.passes: list[DatasetPass] = []
+        for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
+            store = FeatureStore(cfg.output_dir, ds.name, cfg.features.shard_bytes)
+            self._mark_done(ds.name, sorted(store.ids))
+            queue = Queue(keys.features_queue_name(ds.name), connection=conn, serializer=JSONSerializer)
+            rows = committed_rows(cfg.output_dir / f"{ds.name}.jsonl")
+            self.passes.append(DatasetPass(ds, store, queue, rows))
+            conn.sadd(keys.FEATURES_DATASETS, ds.name)
+            if store.recovered.tmp_removed or store.recovered.reindexed:
+                log.warning("features %s: repaired after a crash: %d unfinished shard writes removed, %d samples "
+                            "indexed", ds.name, store.recovered.tmp_removed, store.recovered.reindexed)
+
+    def _mark_done(self, ds: str, ids: list[str]) -> None:
+        for i in range(0, len(ids), 1000):
+            self.conn.sadd(keys.features_done_key(ds), *ids[i:i + 1000])
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, poll_s: float = 0.05) -> Report:
+        last_maintain = 0.0
+        while not self.stop.is_set():
+            progressed = False
+            for p in self.passes:
+                progressed |= self._enqueue(p)
+                progressed |= self._collect(p)
+            if time.monotonic() - last_maintain > MAINTAIN_EVERY_S:
+                self._maintain()
+                last_maintain = time.monotonic()
+            if all(self._finished(p) for p in self.passes):
+                break
+            if not progressed:
+                time.sleep(poll_s)
+        for p in self.passes:
+            self._collect(p)
+            self._flush(p)
+        return self._report()
+
+    def _finished(self, p: DatasetPass) -> bool:
+        if not (p.rows_done or self.guard.reason):
+            return False
+        name = keys.features_name(p.ds.name)
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.llen(keys.rq_queue_key(name))
+        pipe.zcard(keys.rq_wip_key(name))
+        pipe.xrange(keys.features_results_key(p.ds.name), min=f"({p.cursor}" if p.cursor != "-" else "-", count=1)
+        queued, started, unread = pipe.execute()
+        return queued == 0 and started == 0 and not unread
+
+    # -- enqueue -------------------------------------------------------------------------
+    def _next_payload(self, p: DatasetPass) -> FeaturesPayload | None:
+        """The next row to capture as a payload (rows on disk or that cannot be tokenized are passed over)."""
+        if p.held_back is not None:
+            out, p.held_back = p.held_back, None
+            return out
+        kwargs = dict(p.ds.chat_template_kwargs)
+        for row in p.rows:
+            if p.store.has(row.id):
+                p.already += 1
+                continue
+            try:
+                ids, start, end = conversation_ids(self.tokenizer, row, kwargs)
+            except FeaturesInputError as exc:
+                p.invalid.append(str(exc))
+                log.warning("features %s: %s", p.ds.name, exc)
+                continue
+            return FeaturesPayload(id=row.id, dataset=p.ds.name, input_ids=ids, loss_start=start, loss_end=end,
+                                   dtype=self.cfg.features.dtype)
+        p.rows_done = True
+        return None
+
+    def _enqueue(self, p: DatasetPass) -> bool:
+        if p.rows_done or self.guard.reason:
+            return False
+        room = self.cfg.features.high_water - self.conn.llen(keys.rq_queue_key(keys.features_name(p.ds.name)))
+        batch: list[FeaturesPayload] = []
+        outstanding_tokens = sum(sum(q.outstanding.values()) for q in self.passes)
+        while len(batch) < room:
+            payload = self._next_payload(p)
+            if payload is None:
+                break
+            on_disk = sum(q.store.bytes_on_disk for q in self.passes)
+            tokens_on_disk = sum(q.store.tokens_on_disk for q in self.passes)
+            self.guard.disk_bytes_per_token = on_disk / tokens_on_disk if tokens_on_disk else None
+            buffered = sum(q.store.buffer_bytes for q in self.passes)
+            jobs_out = sum(len(q.outstanding) for q in self.passes) + len(batch)
+            n = len(payload.input_ids)
+            if not self.guard.admit(n, outstanding_tokens, jobs_out, on_disk, buffered):
+                p.held_back = payload  # sent once the guard knows bytes per token, or never (reason set)
+                if self.guard.reason is not None:
+                    log.error("features: admissions stopped: %s", self.guard.reason)
+                break
+            outstanding_tokens += n
+            batch.append(payload)
+        return self._push(p, batch) > 0
+
+    def _push(self, p: DatasetPass, batch: list[FeaturesPayload]) -> int:
+        if not batch:
+            return 0
+        name = keys.features_name(p.ds.name)
+        jids = [job_id(name, b.id) for b in batch]
+        pipe = self.conn.pipeline(transaction=False)
+        for jid in jids:
+            pipe.hget(keys.rq_job_key(jid), "status")
+        statuses = pipe.execute()
+        data = []
+        for b, jid, status in zip(batch, jids, statuses, strict=True):
+            p.outstanding[b.id] = len(b.input_ids)
+            if status in _LIVE:  # queued or running from an earlier pass: its result will come
+                continue
+            data.append(Queue.prepare_data(JOB_FUNC, args=(b.model_dump(),), job_id=jid, timeout=-1, result_ttl=500,
+                                           failure_ttl=FAILURE_TTL_S, description=f"{p.ds.name}:features"))
+        if data:
+            with self.conn.pipeline() as pipe:
+                # failed in an earlier pass, enqueued again now
+                pipe.zrem(f"rq:failed:{keys.queue_name(name)}", *[d.job_id for d in data])
+                p.queue.enqueue_many(data, pipeline=pipe)
+                pipe.execute()
+        p.enqueued += len(data)
+        return len(batch)
+
+    # -- collect -------------------------------------------------------------------------
+    def _collect(self, p: DatasetPass) -> bool:
+        key = keys.features_results_key(p.ds.name)
+        got = False
+        limit = min(self.cfg.features.shard_bytes, int(self.cfg.features.redis_max_mb * MB / 2))
+        while True:
+            entries = self.conn.xrange(key, min=f"({p.cursor}" if p.cursor != "-" else "-", count=READ_COUNT)
+            if not entries:
+                break
+            got = True
+            for eid, fields in entries:
+                p.cursor = eid.decode()
+                data = fields[b"data"]
+                p.consumed.append((eid, len(data)))
+                try:
+                    meta = FeaturesMeta.model_validate_json(fields[b"meta"])
+                except ValueError as exc:
+                    log.error("features %s: unreadable stream entry %s dropped: %s", p.ds.name, p.cursor, exc)
+                    continue
+                p.outstanding.pop(meta.id, None)
+                self.guard.learn(meta.shape[0], len(data))
+                if p.store.add(meta, data):
+                    p.captured += 1
+                else:
+                    p.duplicates += 1  # a retried job's second copy
+                if p.store.buffer_bytes >= limit:
+                    self._flush(p)
+        # Jobs that failed are not coming back: stop counting them as outstanding.
+        if p.outstanding and not got:
+            self._forget_failed(p)
+        return got
+
+    def _flush(self, p: DatasetPass) -> None:
+        ids = p.store.flush()
+        if not ids and not p.consumed:
+            return
+        with self.conn.pipeline() as pipe:
+            if ids:
+                pipe.sadd(keys.features_done_key(p.ds.name), *ids)
+            if p.consumed:
+                pipe.xdel(keys.features_results_key(p.ds.name), *[e for e, _ in p.consumed])
+                pipe.decrby(keys.features_pending_key(p.ds.name), sum(n for _, n in p.consumed))
+            pipe.execute()
+        p.consumed.clear()
+
+    def _forget_failed(self, p: DatasetPass) -> None:
+        name = keys.features_name(p.ds.name)
+        pipe = self.conn.pipeline(transaction=False)
+        pids = list(p.outstanding)
+        for pid in pids:
+            pipe.hget(keys.rq_job_key(job_id(name, pid)), "status")
+        for pid, status in zip(pids, pipe.execute(), strict=True):
+            if status == b"failed":
+                p.outstanding.pop(pid, None)
+
+    # -- maintenance ---------------------------------------------------------------------
+    def _maintain(self) -> None:
+        """Requeue features jobs whose lease lapsed (their worker died), as the generation
+        maintenance pass does for generation queues (shared/maintenance.py)."""
+        now = time.time()
+        for p in self.passes:
+            name = keys.features_name(p.ds.name)
+            members = self.conn.zrangebyscore(keys.rq_wip_key(name), "-inf", now)
+            calls = [jobs.requeue(name, m.decode(), m.decode().rsplit(":", 1)[0], "recovered",
+                                  only_if_expired_before=now) for m in members]
+            n = sum(1 for r in run_many(self.conn, calls) if r is True)
+            if n:
+                log.warning("features %s: requeued %d jobs of a features worker that stopped heartbeating",
+                            p.ds.name, n)
+
+    # -- report --------------------------------------------------------------------------
+    def _report(self) -> Report:
+        rep = Report(stopped_by=self.guard.reason)
+        for p in self.passes:
+            failed = self._failures(p)
+            rep.failed[p.ds.name] = failed
+            if p.rows_done and not self.guard.reason and not failed and not self.stop.is_set():
+                self.conn.srem(keys.FEATURES_DATASETS, p.ds.name)
+            rep.datasets[p.ds.name] = {
+                "samples_on_disk": len(p.store.ids), "captured": p.captured, "enqueued": p.enqueued,
+                "already_on_disk": p.already, "duplicates_dropped": p.duplicates, "invalid": len(p.invalid),
+                "failed": len(failed), "bytes_on_disk": p.store.bytes_on_disk,
+                "bytes_per_token": round(p.store.bytes_per_token or 0.0, 1)}
+        return rep
+
+    def _failures(self, p: DatasetPass) -> list[str]:
+        """'<job id>: <last line of the error>' for the dataset's failed features jobs not on disk."""
+        name = keys.features_name(p.ds.name)
+        out = []
+        for jid in self.conn.zrange(f"rq:failed:{keys.queue_name(name)}", 0, -1):
+            if self.conn.hget(keys.rq_job_key(jid.decode()), "status") != b"failed":
+                continue  # enqueued again since
+            exc = self.conn.hget(keys.rq_job_key(jid.decode()), "exc_info") or b""
+            try:
+                exc = zlib.decompress(exc)
+            except zlib.error:
+                pass
+            lines = exc.decode(errors="replace").strip().splitlines()
+            out.append(f"{jid.decode()}: {lines[-1] if lines else 'failed'}")
+        return out
+
+
+def check(cfg: Config, conn: redis.Redis | None, names: list[str] | None = None) -> dict[str, list[str]]:
+    """rows <-> index <-> shards (and the Redis done set when Redis is given), per dataset."""
+    from producer.feature_store import check_store, features_dir, index_rows
+
+    out: dict[str, list[str]] = {}
+    for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
+        row_ids = {r.id for r in committed_rows(cfg.output_dir / f"{ds.name}.jsonl")}
+        problems = check_store(cfg.output_dir, ds.name, row_ids)
+        if conn is not None:
+            indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
+            done = {m.decode() for m in conn.smembers(keys.features_done_key(ds.name))}
+            for pid in sorted(done - indexed)[:20]:
+                problems.append(f"redis {keys.features_done_key(ds.name)}: {pid!r} is marked done but not on disk "
+                                "(`budgetq features` re-captures it after `budgetq features --check --fix`)")
+        out[ds.name] = problems
+    return out
+
+
+def fix_done_set(cfg: Config, conn: redis.Redis, names: list[str] | None = None) -> int:
+    """Make the Redis done set exactly the ids on disk; returns how many entries changed."""
+    from producer.feature_store import features_dir, index_rows
+
+    changed = 0
+    for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
+        indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
+        key = keys.features_done_key(ds.name)
+        done = {m.decode() for m in conn.smembers(key)}
+        extra, missing = sorted(done - indexed), sorted(indexed - done)
+        if extra:
+            conn.srem(key, *extra)
+        if missing:
+            conn.sadd(key, *missing)
+        changed += len(extra) + len(missing)
+    return changed
+
+
+def path_of(cfg: Config, ds: str) -> Path:
+    return cfg.output_dir / ds / "features"

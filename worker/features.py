@@ -1,0 +1,245 @@
+"""The features worker (``budgetq features-worker``): prefill requests that return hidden states.
+
+A small asyncio loop of its own, apart from the generation worker (worker/runner.py): it claims
+jobs of the ``bq-<ds>-features`` queues with the same claim/finish/requeue scripts
+(shared/jobs.py, so rq-dashboard shows them), sends one prefill per job through the one SGLang
+client (worker/sglang_client.py ``HiddenStatesClient``), decodes the JSON in a process pool
+(worker/hidden_decode.py) and XADDs the tensor bytes to the dataset's features stream, where the
+producer-side collector (producer/features.py) writes shards: workers need no shared filesystem.
+
+Memory is bounded twice: this process holds at most ``features.worker_max_mb`` of responses and
+decoded tensors (claims wait; one job is always allowed), and it claims nothing for a dataset
+whose stream already holds ``features.redis_max_mb`` not yet on disk.
+A worker killed at any instant: its jobs' leases lapse and the collector requeues them; a
+result already in the stream is recognised by id and written once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+import aiohttp
+
+from shared import jobs, keys
+from shared.config import Config, ServerConfig
+from shared.errors import BudgetqError, FatalRequestError, RetryableRequestError
+from shared.features_schema import FeaturesMeta, FeaturesPayload
+from shared.jobs import Claimed
+from shared.redis_conn import aconnect, connect
+from shared.retry import REDIS_DOWN
+from shared.scripts import arun
+from worker import rq_adapter
+from worker.hidden_decode import HiddenStatesError, decode
+from worker.sglang_client import HiddenStatesClient
+
+log = logging.getLogger("budgetq.features")
+MB = 2**20
+# Before the first response: JSON bytes per token of a 4096-wide model (~11 characters a float).
+FIRST_GUESS_JSON_BYTES_PER_TOKEN = 4096 * 11
+
+
+def features_server(cfg: Config) -> ServerConfig:
+    """features.server.urls when given (servers started with the hidden-states flag), else server.urls."""
+    urls = cfg.features.server.urls
+    return cfg.server.model_copy(update={"urls": urls}) if urls else cfg.server
+
+
+@dataclass
+class _Held:
+    ds: str
+    claimed: Claimed
+    started_at: float
+    bytes: int
+    task: asyncio.Task | None = None
+
+
+class FeaturesWorker:
+    def __init__(self, cfg: Config, concurrency: int | None = None, burst: bool = False) -> None:
+        self.cfg = cfg
+        self.f = cfg.features
+        self.concurrency = concurrency or self.f.concurrency
+        self.burst = burst
+        self.ttl = cfg.worker.heartbeat_ttl_s
+        self.name = f"budgetq-features-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.conn = connect(cfg.redis_url)
+        self.held: dict[str, _Held] = {}
+        self.held_bytes = 0
+        self.json_bytes_per_token = float(FIRST_GUESS_JSON_BYTES_PER_TOKEN)
+        self.processed = 0
+        self.failed = 0
+        self.stopping = asyncio.Event()
+        self.wake = asyncio.Event()
+
+    # -- admission -----------------------------------------------------------------------
+    def _room_for(self, n_tokens: int) -> bool:
+        est = n_tokens * self.json_bytes_per_token
+        return not self.held or self.held_bytes + est <= self.f.worker_max_mb * MB
+
+    async def _claimable(self) -> list[str]:
+        members = await self.aconn.smembers(keys.FEATURES_DATASETS)
+        names = sorted(n.decode() if isinstance(n, bytes) else n for n in members)
+        if not names:
+            return []
+        pending = await self.aconn.mget([keys.features_pending_key(ds) for ds in names])
+        cap = self.f.redis_max_mb * MB
+        return [ds for ds, p in zip(names, pending, strict=True) if int(p or 0) < cap]
+
+    async def _feed(self) -> None:
+        idle = 0
+        while not self.stopping.is_set():
+            got = 0
+            if len(self.held) < self.concurrency and (not self.held or self.held_bytes < self.f.worker_max_mb * MB):
+                try:
+                    for ds in await self._claimable():
+                        if len(self.held) >= self.concurrency:
+                            break
+                        lease_end = time.time() + self.ttl
+                        for c in await arun(self.aconn, jobs.claim(keys.features_name(ds), 1, lease_end, self.name)):
+                            self._start(ds, c)
+                            got += 1
+                except REDIS_DOWN as exc:
+                    log.warning("features worker %s: cannot claim, redis unreachable: %s", self.name, exc)
+                    await asyncio.sleep(1.0)
+                    continue
+            if got:
+                idle = 0
+                continue
+            if self.burst and not self.held:
+                return
+            idle += 1
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=min(0.5, 0.005 * 2 ** min(idle, 7)))
+            except TimeoutError:
+                pass
+
+    def _start(self, ds: str, c: Claimed) -> None:
+        h = _Held(ds, c, time.time(), 0)
+        self.held[c.member] = h
+        h.task = asyncio.create_task(self._run(h))
+
+    # -- one job -------------------------------------------------------------------------
+    def _hold(self, h: _Held, n: int) -> None:
+        self.held_bytes += n - h.bytes
+        h.bytes = n
+
+    async def _run(self, h: _Held) -> None:
+        name = keys.features_name(h.ds)
+        try:
+            try:
+                payload = FeaturesPayload.model_validate(h.claimed.payload())
+            except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails that job only
+                await self._finish(h, "failed", error=f"unreadable features payload: {exc}")
+                return
+            n = len(payload.input_ids)
+            while not self._room_for(n):  # the claim was optimistic: wait for memory, lease kept by heartbeats
+                self.wake.clear()
+                await self.wake.wait()
+            self._hold(h, int(n * self.json_bytes_per_token))
+            try:
+                raw = await self.client.prefill_hidden_states(payload.input_ids, h.claimed.job_id)
+                self._hold(h, len(raw.body))
+                endpoint = raw.endpoint
+                self.json_bytes_per_token = 0.8 * self.json_bytes_per_token + 0.2 * len(raw.body) / n
+                blob, shape = await asyncio.get_running_loop().run_in_executor(
+                    self.decoders, decode, raw.body, n, payload.dtype)
+                del raw
+                self._hold(h, len(blob))
+            except (FatalRequestError, RetryableRequestError, HiddenStatesError) as exc:
+                log.warning("features job %s failed: %s", h.claimed.job_id, exc)
+                await self._finish(h, "failed", error=str(exc))
+                return
+            meta = FeaturesMeta(**payload.model_dump(), shape=shape, endpoint=endpoint)
+            async with self.aconn.pipeline(transaction=True) as p:
+                p.xadd(keys.features_results_key(h.ds), {"id": payload.id, "meta": meta.model_dump_json(),
+                                                         "data": blob})
+                p.incrby(keys.features_pending_key(h.ds), len(blob))
+                await p.execute()
+            del blob
+            # A kill here leaves the entry in the stream and the job started: its lease lapses, it
+            # runs again, and the collector keeps the first copy of the id only.
+            await self._finish(h, "finished", result={"status": "captured", "shape": shape})
+        except asyncio.CancelledError:
+            await asyncio.shield(self._requeue(h, name))
+            raise
+        finally:
+            self._hold(h, 0)
+            self.held.pop(h.claimed.member, None)
+            self.wake.set()
+
+    async def _finish(self, h: _Held, status: str, *, result: dict | None = None, error: str = "") -> None:
+        call = jobs.finish(keys.features_name(h.ds), h.claimed, status, h.started_at, self.name, result=result,
+                           error=error, stat="captured" if status == "finished" else "failed")
+        if await arun(self.aconn, call):
+            self.processed += status == "finished"
+            self.failed += status == "failed"
+
+    async def _requeue(self, h: _Held, name: str) -> None:
+        try:
+            await arun(self.aconn, jobs.requeue(name, h.claimed.member, h.claimed.job_id))
+        except Exception as exc:  # noqa: BLE001 - the lease brings it back anyway
+            log.warning("features job %s: requeue failed (%s); its lease will bring it back", h.claimed.job_id, exc)
+
+    # -- loops ---------------------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(max(1.0, self.ttl / 3))
+            leases = [(keys.features_name(h.ds), h.claimed.member, h.claimed.job_id) for h in self.held.values()]
+            try:
+                await asyncio.to_thread(rq_adapter.heartbeat, self.conn, self.rq_worker, leases, self.ttl)
+            except REDIS_DOWN as exc:
+                log.warning("features worker %s: heartbeat skipped, redis unreachable: %s", self.name, exc)
+
+    def _on_signal(self, signame: str) -> None:
+        log.warning("features worker %s: %s: requeueing %d jobs and stopping", self.name, signame, len(self.held))
+        self.stopping.set()
+        self.wake.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig.name)
+        self.aconn = aconnect(self.cfg.redis_url, max_connections=16)
+        self.rq_worker = await asyncio.to_thread(rq_adapter.register_worker, self.conn, self.name)
+        # spawn: a forked child of a process running an event loop and sockets inherits both.
+        self.decoders = ProcessPoolExecutor(self.f.decode_processes, mp_context=get_context("spawn"))
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.client = HiddenStatesClient(session, features_server(self.cfg))
+        beats = asyncio.create_task(self._heartbeats())
+        log.info("features worker %s: %d in flight, up to %.0f MB held", self.name, self.concurrency,
+                 self.f.worker_max_mb)
+        try:
+            await self._feed()
+            tasks = [h.task for h in self.held.values() if h.task is not None]
+            if self.stopping.is_set():
+                for t in tasks:
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            beats.cancel()
+            await self.client.close()
+            await session.close()
+            self.decoders.shutdown(wait=False, cancel_futures=True)
+            try:
+                await asyncio.to_thread(self.rq_worker.register_death)
+            except Exception:  # noqa: BLE001 - the worker key expires anyway
+                pass
+            await self.aconn.aclose()
+        log.info("features worker %s: exited after %d captured, %d failed", self.name, self.processed, self.failed)
+        return 0
+
+
+def run_features_job(payload: dict) -> dict:
+    """The RQ job function of a features job (a plain ``rq worker`` cannot run it: the tensor bytes
+    go to a Redis stream with the collector's bookkeeping; run ``budgetq features-worker``)."""
+    raise BudgetqError("features jobs run in `budgetq features-worker`, not a plain rq worker")
+
