@@ -46,6 +46,7 @@ FAILURE_TTL_S = 7 * 86400
 READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
 MAINTAIN_EVERY_S = 2.0
 MB = 2**20
+SAMPLE_HEADER_BYTES = 400   # a sample's share of its shard's JSON header (3 tensor entries, metadata), generous
 _LIVE = {b"queued", b"started", b"deferred", b"scheduled"}
 
 
@@ -279,7 +280,8 @@ class FeaturesPass:
                     log.error("features %s: unreadable stream entry %s dropped: %s", p.ds.name, p.cursor, exc)
                     continue
                 p.outstanding.pop(meta.id, None)
-                self.guard.learn(meta.shape[0], len(data))
+                # what the sample will weigh in a shard: tensor, token ids (4 B) and mask (1 B), header entries
+                self.guard.learn(meta.shape[0], len(data) + 5 * meta.shape[0] + SAMPLE_HEADER_BYTES)
                 if p.store.add(meta, data):
                     p.captured += 1
                 else:
