@@ -220,8 +220,8 @@ def check_store(out_dir: Path, ds: str, row_ids: set[str]) -> list[str]:
             problems.append(f"{where}: {len(r['input_ids'])} input ids, {len(r['loss_mask'])} mask entries, "
                             f"{r['shape'][0]} hidden-state rows")
         in_shards.discard((r["shard"], r["key"]))
-    for shard, key in sorted(in_shards):
-        problems.append(f"{d / shard}: sample {key} is in no index row (run `budgetq features` to index it)")
-    for tmp in d.glob("*.tmp"):
-        problems.append(f"{tmp}: a shard write that never finished (removed by the next `budgetq features`)")
+    for shard_name, key in sorted(in_shards):
+        problems.append(f"{d / shard_name}: sample {key} is in no index row (run `budgetq features` to index it)")
+    for leftover in d.glob("*.tmp"):
+        problems.append(f"{leftover}: a shard write that never finished (removed by the next `budgetq features`)")
     return problems

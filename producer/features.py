@@ -25,6 +25,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import redis
 from rq import Queue
@@ -266,7 +267,8 @@ class FeaturesPass:
         got = False
         limit = min(self.cfg.features.shard_bytes, int(self.cfg.features.redis_max_mb * MB / 2))
         while True:
-            entries = self.conn.xrange(key, min=f"({p.cursor}" if p.cursor != "-" else "-", count=READ_COUNT)
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]],
+                           self.conn.xrange(key, min=f"({p.cursor}" if p.cursor != "-" else "-", count=READ_COUNT))
             if not entries:
                 break
             got = True
@@ -324,8 +326,8 @@ class FeaturesPass:
         for p in self.passes:
             name = keys.features_name(p.ds.name)
             members = self.conn.zrangebyscore(keys.rq_wip_key(name), "-inf", now)
-            calls = [jobs.requeue(name, m.decode(), m.decode().rsplit(":", 1)[0], "recovered",
-                                  only_if_expired_before=now) for m in members]
+            calls = [jobs.requeue(name, _text(m), _text(m).rsplit(":", 1)[0], "recovered",
+                                  only_if_expired_before=now) for m in cast(list[bytes], members)]
             n = sum(1 for r in run_many(self.conn, calls) if r is True)
             if n:
                 log.warning("features %s: requeued %d jobs of a features worker that stopped heartbeating",
@@ -350,17 +352,22 @@ class FeaturesPass:
         """'<job id>: <last line of the error>' for the dataset's failed features jobs not on disk."""
         name = keys.features_name(p.ds.name)
         out = []
-        for jid in self.conn.zrange(f"rq:failed:{keys.queue_name(name)}", 0, -1):
-            if self.conn.hget(keys.rq_job_key(jid.decode()), "status") != b"failed":
+        for member in cast(list[bytes], self.conn.zrange(f"rq:failed:{keys.queue_name(name)}", 0, -1)):
+            jid = _text(member)
+            status, exc = cast(list[bytes | None], self.conn.hmget(keys.rq_job_key(jid), ["status", "exc_info"]))
+            if status != b"failed":
                 continue  # enqueued again since
-            exc = self.conn.hget(keys.rq_job_key(jid.decode()), "exc_info") or b""
             try:
-                exc = zlib.decompress(exc)
+                exc = zlib.decompress(exc or b"")
             except zlib.error:
                 pass
-            lines = exc.decode(errors="replace").strip().splitlines()
-            out.append(f"{jid.decode()}: {lines[-1] if lines else 'failed'}")
+            lines = (exc or b"").decode(errors="replace").strip().splitlines()
+            out.append(f"{jid}: {lines[-1] if lines else 'failed'}")
         return out
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def check(cfg: Config, conn: redis.Redis | None, names: list[str] | None = None) -> dict[str, list[str]]:
@@ -373,7 +380,7 @@ def check(cfg: Config, conn: redis.Redis | None, names: list[str] | None = None)
         problems = check_store(cfg.output_dir, ds.name, row_ids)
         if conn is not None:
             indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
-            done = {m.decode() for m in conn.smembers(keys.features_done_key(ds.name))}
+            done = {_text(m) for m in cast(set[bytes], conn.smembers(keys.features_done_key(ds.name)))}
             for pid in sorted(done - indexed)[:20]:
                 problems.append(f"redis {keys.features_done_key(ds.name)}: {pid!r} is marked done but not on disk "
                                 "(`budgetq features` re-captures it after `budgetq features --check --fix`)")
@@ -389,7 +396,7 @@ def fix_done_set(cfg: Config, conn: redis.Redis, names: list[str] | None = None)
     for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
         indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
         key = keys.features_done_key(ds.name)
-        done = {m.decode() for m in conn.smembers(key)}
+        done = {_text(m) for m in cast(set[bytes], conn.smembers(key))}
         extra, missing = sorted(done - indexed), sorted(indexed - done)
         if extra:
             conn.srem(key, *extra)
