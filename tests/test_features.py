@@ -283,3 +283,36 @@ def test_decode_checks_rows_against_tokens(dtype):
     assert shape == [3, 8] and np.array_equal(from_dtype(data, dtype, shape), arr)
     with pytest.raises(HiddenStatesError, match="2 of 3 tokens|3 of 4 tokens"):
         decode(body, 4, dtype)
+
+
+def test_specforge_offline_layout(tmp_path):
+    """Paths, keys, dtypes and shapes SpecForge's OfflineEagle3Dataset reads (torch.save itself needs torch)."""
+    from producer.features_export import offline_path, offline_samples
+
+    store = FeatureStore(tmp_path, "A", shard_bytes=10**9)
+    for i in range(3):
+        store.add(*_meta(f"p{i}", 4 + i))
+    store.flush()
+    samples = list(offline_samples(tmp_path, "A"))
+    assert [s.path for s in samples] == [f"rows_0-5000/data_{i}.ckpt" for i in range(3)]
+    assert offline_path(5001) == "rows_5000-10000/data_5001.ckpt"
+    s = samples[2]
+    assert s.input_ids.dtype == np.int64 and s.loss_mask.dtype == np.int64
+    assert s.input_ids.tolist() == list(range(3, 9)) and s.loss_mask.tolist() == [0, 1, 1, 1, 1, 1]
+    dtype, shape, data = s.hidden_state
+    assert dtype == "bfloat16" and shape == [1, 6, HIDDEN]
+    assert np.array_equal(from_dtype(data, dtype, shape[1:]), vectors(np.arange(3, 9), np.arange(6), HIDDEN))
+    assert s.aux_hidden_state is None  # a stock server gives the last layer only
+
+
+def test_specforge_offline_files_load_with_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    from producer.features_export import export_specforge_offline
+
+    store = FeatureStore(tmp_path, "A", shard_bytes=10**9)
+    store.add(*_meta("p0", 5))
+    store.flush()
+    res = export_specforge_offline(tmp_path, "A", tmp_path / "off")
+    point = torch.load(tmp_path / "off" / "rows_0-5000" / "data_0.ckpt")
+    assert res.written == 1 and point["hidden_state"].shape == (1, 5, HIDDEN)
+    assert point["hidden_state"].dtype == torch.bfloat16 and point["input_ids"].dtype == torch.int64
