@@ -45,6 +45,8 @@ log = logging.getLogger("budgetq.features")
 MB = 2**20
 # Before the first response: JSON bytes per token of a 4096-wide model (~11 characters a float).
 FIRST_GUESS_JSON_BYTES_PER_TOKEN = 4096 * 11
+# Longest wait between polls of idle queues (a claim round trip per dataset each time).
+IDLE_POLL_S = 0.1
 
 
 def features_server(cfg: Config) -> ServerConfig:
@@ -118,7 +120,7 @@ class FeaturesWorker:
             idle += 1
             self.wake.clear()
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=min(0.5, 0.005 * 2 ** min(idle, 7)))
+                await asyncio.wait_for(self.wake.wait(), timeout=min(IDLE_POLL_S, 0.005 * 2 ** min(idle, 7)))
             except TimeoutError:
                 pass
 
@@ -212,6 +214,8 @@ class FeaturesWorker:
         self.rq_worker = await asyncio.to_thread(rq_adapter.register_worker, self.conn, self.name)
         # spawn: a forked child of a process running an event loop and sockets inherits both.
         self.decoders = ProcessPoolExecutor(self.f.decode_processes, mp_context=get_context("spawn"))
+        # Start the decode processes now (a pool spawns them at first use, ~1 s each of imports).
+        await asyncio.gather(*[loop.run_in_executor(self.decoders, int, 0) for _ in range(self.f.decode_processes)])
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.client = HiddenStatesClient(session, features_server(self.cfg))
         beats = asyncio.create_task(self._heartbeats())
