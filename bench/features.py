@@ -130,12 +130,15 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--hidden-size", type=int, default=4096)
-    ap.add_argument("--rows", type=int, default=24)
+    ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--answer-words", type=int, default=500)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--decode-processes", type=int, default=2)
     ap.add_argument("--prefill-tok-s", type=float, default=20_000.0)
     ap.add_argument("--pairs", type=int, default=2)
+    # Shards close during the run, as in a real one (hours at 512 MB a shard); the pass's last write
+    # (one shard) is its tail, which a short run would otherwise weigh far more than a real one does.
+    ap.add_argument("--shard-mb", type=float, default=16.0)
     args = ap.parse_args(argv)
     if args.smoke:
         args.hidden_size, args.rows, args.answer_words, args.pairs = 256, 8, 60, 1
@@ -168,7 +171,7 @@ def main(argv: list[str]) -> int:
         cfg.write_text(yaml.safe_dump({
             "redis_url": redis.url, "output_dir": str(out), "server": {"urls": [url], "tokenizer": tok},
             "features": {"concurrency": args.concurrency, "decode_processes": args.decode_processes,
-                         "dtype": "bfloat16", "shard_mb": 256},
+                         "dtype": "bfloat16", "shard_mb": args.shard_mb},
             "datasets": [{"name": "H", "path": str(out / "H.jsonl"), "budget": "1M"}]}))
         table = []
         for pair in range(args.pairs):
@@ -180,7 +183,7 @@ def main(argv: list[str]) -> int:
             table.append([pair + 1, args.hidden_size, len(samples), total, round(total / d), round(total / p),
                           round(d / p, 3)])
         print(f"\n## features pass vs direct client ({args.concurrency} in flight, {args.decode_processes} decode "
-              f"processes, simulator prefill {args.prefill_tok_s:.0f} tok/s)\n")
+              f"processes, simulator prefill {args.prefill_tok_s:.0f} tok/s, shards of {args.shard_mb:g} MB)\n")
         print(c.md_table(["pair", "hidden", "samples", "tokens", "direct tok/s", "pass tok/s",
                           "ratio pass / direct"], table))
     finally:

@@ -316,3 +316,40 @@ def test_specforge_offline_files_load_with_torch(tmp_path):
     point = torch.load(tmp_path / "off" / "rows_0-5000" / "data_0.ckpt")
     assert res.written == 1 and point["hidden_state"].shape == (1, 5, HIDDEN)
     assert point["hidden_state"].dtype == torch.bfloat16 and point["input_ids"].dtype == torch.int64
+
+
+def _wheel_source(rel: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the sglang wheel is not installed (make installs it)")
+    return (Path(list(spec.submodule_search_locations)[0]) / rel).read_text()
+
+
+def test_simulator_messages_and_flags_are_sglangs():
+    """The 400 texts, the request modes and the server flags, as the pinned wheel has them."""
+    import re
+
+    from simulator import hidden
+
+    def squash(text: str) -> str:  # Python's implicit string concatenation across lines
+        return re.sub(r'"\s*\n\s*f?"', "", text)
+
+    manager = squash(_wheel_source("srt/managers/tokenizer_manager.py"))
+    assert hidden.NOT_ENABLED in manager
+    assert hidden.exceeds("last").replace("`last`", "`{get_exec().features.return_hidden_states_mode}`") in manager
+    assert hidden.BAD_MODE in _wheel_source("srt/managers/schedule_batch.py")
+    args = _wheel_source("srt/arg_groups/fields/exec_.py")
+    assert "enable_return_hidden_states:" in args and "return_hidden_states_mode:" in args
+    assert 'choices=["last", "full"]' in args
+
+
+def test_the_prefill_request_passes_sglangs_request_model():
+    from tests import sglang_contract as sc
+    from worker.sglang_client import prefill_body
+
+    try:
+        sc.validate_generate_request(json.loads(json.dumps(prefill_body([1, 2, 3], "A-features--r1.0123456789ab"))))
+    except sc.SGLangMissing as exc:
+        pytest.skip(str(exc))
