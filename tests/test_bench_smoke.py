@@ -27,6 +27,7 @@ KEY_RATIO = {
     "producer_memory": "peak RSS ratio to the smallest",
     "check_rate": "peak RSS ratio to the smallest",
     "end_game": "used/budget (worst)",
+    "features": "ratio pass / direct",
 }
 
 

@@ -24,6 +24,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context
 
@@ -173,6 +174,14 @@ class FeaturesWorker:
         except asyncio.CancelledError:
             await asyncio.shield(self._requeue(h, name))
             raise
+        except BrokenProcessPool:
+            # A decode process died (OOM killer?): a fresh pool, and the job goes back to its queue.
+            log.error("features worker %s: a decode process died; restarting the pool, requeueing %s", self.name,
+                      h.claimed.job_id)
+            self._new_decoders()
+            await self._requeue(h, name)
+        except Exception:  # noqa: BLE001 - Redis down mid-job, a bug: the job's lease lapses and it comes back
+            log.exception("features job %s: left to its lease (requeued by `budgetq features`)", h.claimed.job_id)
         finally:
             self._hold(h, 0)
             self.held.pop(h.claimed.member, None)
@@ -190,6 +199,13 @@ class FeaturesWorker:
             await arun(self.aconn, jobs.requeue(name, h.claimed.member, h.claimed.job_id))
         except Exception as exc:  # noqa: BLE001 - the lease brings it back anyway
             log.warning("features job %s: requeue failed (%s); its lease will bring it back", h.claimed.job_id, exc)
+
+    def _new_decoders(self) -> None:
+        old = getattr(self, "decoders", None)
+        # spawn: a forked child of a process running an event loop and sockets inherits both.
+        self.decoders = ProcessPoolExecutor(self.f.decode_processes, mp_context=get_context("spawn"))
+        if old is not None:
+            old.shutdown(wait=False, cancel_futures=True)
 
     # -- loops ---------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
@@ -212,8 +228,7 @@ class FeaturesWorker:
             loop.add_signal_handler(sig, self._on_signal, sig.name)
         self.aconn = aconnect(self.cfg.redis_url, max_connections=16)
         self.rq_worker = await asyncio.to_thread(rq_adapter.register_worker, self.conn, self.name)
-        # spawn: a forked child of a process running an event loop and sockets inherits both.
-        self.decoders = ProcessPoolExecutor(self.f.decode_processes, mp_context=get_context("spawn"))
+        self._new_decoders()
         # Start the decode processes now (a pool spawns them at first use, ~1 s each of imports).
         await asyncio.gather(*[loop.run_in_executor(self.decoders, int, 0) for _ in range(self.f.decode_processes)])
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

@@ -369,7 +369,10 @@ class HiddenStatesClient(SGLangClient):
             try:
                 out = await self._prefill_once(ep, input_ids, attempt_rid(job_id))
             except RetryableRequestError as exc:
-                self.pool.failure(ep, str(exc))
+                if isinstance(exc, DuplicateRidError):  # the server answered: the endpoint is fine
+                    self.pool.success(ep)
+                else:
+                    self.pool.failure(ep, str(exc))
                 if attempt >= self._server.max_attempts:
                     raise RetryableRequestError(f"gave up after {attempt} attempts: {exc}") from exc
                 if not isinstance(exc, DuplicateRidError):
