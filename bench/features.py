@@ -144,8 +144,6 @@ def main(argv: list[str]) -> int:
         args.hidden_size, args.rows, args.answer_words, args.pairs = 256, 8, 60, 1
     c.print_header("Hidden states: decode/write per process, features pass vs direct client", ["bench/features.py",
                                                                                                   *argv])
-    for k, v in c.machine_facts().items():
-        print(f"- {k}: {v}")
     tmp = Path(tempfile.mkdtemp(prefix="bq-features-bench-"))
     print("\n## per worker process\n")
     rows = per_process(args.hidden_size, 512 if args.smoke else 4096, 2 if args.smoke else 3, tmp / "pp")
