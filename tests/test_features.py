@@ -353,3 +353,53 @@ def test_the_prefill_request_passes_sglangs_request_model():
         sc.validate_generate_request(json.loads(json.dumps(prefill_body([1, 2, 3], "A-features--r1.0123456789ab"))))
     except sc.SGLangMissing as exc:
         pytest.skip(str(exc))
+
+
+def _info_worker(cfg: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / f"fw-{len(list(tmp_path.glob('fw-*.log')))}.log"
+    p = subprocess.Popen([*PY[:-2], "--log-level", "INFO", "features-worker", "-c", str(cfg), *extra], cwd=ROOT,
+                         env=dict(os.environ), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return p, log
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+
+
+def test_workers_pause_while_redis_holds_redis_max_mb_for_the_collector(tmp_path, redis_url, conn, sim_factory):
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg = features_config(tmp_path, redis_url, sim, redis_max_mb=0.0001, concurrency=5)
+    ids = write_rows(tmp_path / "out", "A", 5)
+    fp = FeaturesPass(load_config(cfg), conn)
+    fp._enqueue(fp.passes[0])  # queued, no collector running yet
+    assert conn.llen(keys.rq_queue_key(keys.features_name("A"))) == 5
+    worker, log = _info_worker(cfg, tmp_path, "--concurrency", "1")
+    try:
+        wait_for(lambda: "A paused" in log.read_text(), 30, "the worker to pause the dataset")
+        assert conn.xlen(keys.features_results_key("A")) == 1
+        assert conn.llen(keys.rq_queue_key(keys.features_name("A"))) == 4
+        res = run_features(cfg)  # the collector drains the stream; the worker goes on
+        assert res.returncode == 0, res.stdout + res.stderr
+        check_samples(tmp_path / "out", "A", ids)
+    finally:
+        _stop(worker)
+
+
+def test_worker_holds_at_most_worker_max_mb(tmp_path, redis_url, conn, sim_factory):
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg = features_config(tmp_path, redis_url, sim, worker_max_mb=0.0001, concurrency=4)
+    ids = write_rows(tmp_path / "out", "A", 8)
+    worker, log = _info_worker(cfg, tmp_path)
+    try:
+        res = run_features(cfg)
+        assert res.returncode == 0, res.stdout + res.stderr
+        check_samples(tmp_path / "out", "A", ids)
+    finally:
+        _stop(worker)
+    text = log.read_text()
+    assert "at most 1 holding responses at once" in text, text

@@ -79,13 +79,18 @@ class FeaturesWorker:
         self.json_bytes_per_token = float(FIRST_GUESS_JSON_BYTES_PER_TOKEN)
         self.processed = 0
         self.failed = 0
+        self.memory_waits = 0      # jobs that waited for features.worker_max_mb
+        self.peak_held_jobs = 0    # most jobs holding response bytes at once
+        self._paused: set[str] = set()
         self.stopping = asyncio.Event()
         self.wake = asyncio.Event()
 
     # -- admission -----------------------------------------------------------------------
     def _room_for(self, n_tokens: int) -> bool:
+        """Whether a job of n tokens may send its request now: it fits under features.worker_max_mb
+        with what the other jobs hold, or nothing is held at all (one job always runs)."""
         est = n_tokens * self.json_bytes_per_token
-        return not self.held or self.held_bytes + est <= self.f.worker_max_mb * MB
+        return self.held_bytes == 0 or self.held_bytes + est <= self.f.worker_max_mb * MB
 
     async def _claimable(self) -> list[str]:
         members = await self.aconn.smembers(keys.FEATURES_DATASETS)
@@ -94,7 +99,16 @@ class FeaturesWorker:
             return []
         pending = await self.aconn.mget([keys.features_pending_key(ds) for ds in names])
         cap = self.f.redis_max_mb * MB
-        return [ds for ds, p in zip(names, pending, strict=True) if int(p or 0) < cap]
+        out = []
+        for ds, p in zip(names, pending, strict=True):
+            if int(p or 0) < cap:
+                self._paused.discard(ds)
+                out.append(ds)
+            elif ds not in self._paused:
+                self._paused.add(ds)
+                log.info("features worker %s: %s paused: %.1f MB wait in Redis for the collector "
+                         "(features.redis_max_mb %g)", self.name, ds, int(p or 0) / MB, self.f.redis_max_mb)
+        return out
 
     async def _feed(self) -> None:
         idle = 0
@@ -144,10 +158,15 @@ class FeaturesWorker:
                 await self._finish(h, "failed", error=f"unreadable features payload: {exc}")
                 return
             n = len(payload.input_ids)
+            waited = False
             while not self._room_for(n):  # the claim was optimistic: wait for memory, lease kept by heartbeats
+                if not waited:
+                    self.memory_waits += 1
+                    waited = True
                 self.wake.clear()
                 await self.wake.wait()
-            self._hold(h, int(n * self.json_bytes_per_token))
+            self._hold(h, int(n * self.json_bytes_per_token))  # no await since the check: nobody overtakes
+            self.peak_held_jobs = max(self.peak_held_jobs, sum(1 for x in self.held.values() if x.bytes))
             try:
                 raw = await self.client.prefill_hidden_states(payload.input_ids, h.claimed.job_id)
                 self._hold(h, len(raw.body))
@@ -253,7 +272,9 @@ class FeaturesWorker:
             except Exception:  # noqa: BLE001 - the worker key expires anyway
                 pass
             await self.aconn.aclose()
-        log.info("features worker %s: exited after %d captured, %d failed", self.name, self.processed, self.failed)
+        log.info("features worker %s: exited after %d captured, %d failed (%d waited for worker_max_mb, at most %d "
+                 "holding responses at once)", self.name, self.processed, self.failed, self.memory_waits,
+                 self.peak_held_jobs)
         return 0
 
 
