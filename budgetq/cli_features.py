@@ -28,7 +28,7 @@ def cmd_features(args: argparse.Namespace) -> int:
             for msg in found:
                 print(f"  {msg}")
         return 1 if any(problems.values()) else 0
-    fp = FeaturesPass(cfg, conn, args.dataset)
+    fp = FeaturesPass(cfg, conn, args.dataset, follow=args.follow)
 
     def stop(_signum: int, _frame: object) -> None:
         fp.stop.set()
@@ -46,7 +46,7 @@ def cmd_features(args: argparse.Namespace) -> int:
                 print(f"  failed: {msg}", file=sys.stderr)
     if rep.stopped_by:
         print(f"budgetq: features: admissions stopped: {rep.stopped_by}", file=sys.stderr)
-    return 0 if rep.ok and not fp.stop.is_set() else 1
+    return 0 if rep.ok and (args.follow or not fp.stop.is_set()) else 1
 
 
 def cmd_features_worker(args: argparse.Namespace) -> int:
@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("features", help="capture hidden states of the committed rows (restart-safe)"))
     sp.add_argument("--dataset", action="append", help="dataset name (repeatable); default: every dataset")
     sp.add_argument("--output-dir", help="overrides output_dir")
+    sp.add_argument("--follow", action="store_true",
+                    help="also capture rows committed while it runs (beside `budgetq produce`); stop with Ctrl-C")
     sp.add_argument("--check", action="store_true", help="verify rows <-> index <-> shards <-> Redis, change nothing")
     sp.add_argument("--fix", action="store_true", help="with --check: set the Redis done set to what is on disk")
     sp.add_argument("--json", action="store_true")

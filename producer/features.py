@@ -32,7 +32,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.feature_store import FeatureStore
-from producer.features_inputs import FeaturesInputError, committed_rows, conversation_ids
+from producer.features_inputs import FeaturesInputError, RowTail, committed_rows, conversation_ids
 from producer.tokenize import load_tokenizer
 from shared import jobs, keys
 from shared.config import Config, DatasetConfig
@@ -46,6 +46,9 @@ JOB_FUNC = "worker.features.run_features_job"
 FAILURE_TTL_S = 7 * 86400
 READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
 MAINTAIN_EVERY_S = 2.0
+# --follow: a shard still short of shard_mb is written after this long without new results, so what
+# trickles in reaches the disk (and leaves Redis) in bounded time.
+FOLLOW_FLUSH_IDLE_S = 30.0
 MB = 2**20
 SAMPLE_HEADER_BYTES = 400   # a sample's share of its shard's JSON header (3 tensor entries, metadata), generous
 _LIVE = {b"queued", b"started", b"deferred", b"scheduled"}
@@ -108,6 +111,7 @@ class DatasetPass:
     ds: DatasetConfig
     store: FeatureStore
     queue: Queue
+    tail: RowTail
     rows: Iterator
     rows_done: bool = False
     held_back: FeaturesPayload | None = None
@@ -119,6 +123,7 @@ class DatasetPass:
     duplicates: int = 0
     cursor: str = "-"
     consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
+    last_result: float = 0.0   # monotonic time of the last stream read that got something
 
 
 @dataclass
@@ -133,12 +138,15 @@ class Report:
 
 
 class FeaturesPass:
-    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None) -> None:
+    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None, follow: bool = False) -> None:
         if not cfg.server.tokenizer:
             raise ConfigError("budgetq features needs server.tokenizer: the conversation is re-tokenized with the "
                               "model's chat template to find the answer's tokens (the loss mask)")
         self.cfg = cfg
         self.conn = conn
+        # follow: rows committed while the pass runs are captured too (run it beside `budgetq produce`);
+        # it then ends on SIGINT/SIGTERM only.
+        self.follow = follow
         self.tokenizer = load_tokenizer(cfg.server.tokenizer)
         self.guard = DiskGuard(cfg)
         self.stop = threading.Event()
@@ -147,8 +155,8 @@ class FeaturesPass:
             store = FeatureStore(cfg.output_dir, ds.name, cfg.features.shard_bytes)
             self._mark_done(ds.name, sorted(store.ids))
             queue = Queue(keys.features_queue_name(ds.name), connection=conn, serializer=JSONSerializer)
-            rows = committed_rows(cfg.output_dir / f"{ds.name}.jsonl")
-            self.passes.append(DatasetPass(ds, store, queue, rows))
+            tail = RowTail(cfg.output_dir / f"{ds.name}.jsonl")
+            self.passes.append(DatasetPass(ds, store, queue, tail, tail.new_rows()))
             conn.sadd(keys.FEATURES_DATASETS, ds.name)
             if store.recovered.tmp_removed or store.recovered.reindexed:
                 log.warning("features %s: repaired after a crash: %d unfinished shard writes removed, %d samples "
@@ -165,7 +173,11 @@ class FeaturesPass:
             progressed = False
             for p in self.passes:
                 progressed |= self._enqueue(p)
-                progressed |= self._collect(p)
+                if self._collect(p):
+                    progressed = True
+                    p.last_result = time.monotonic()
+                elif self.follow and p.store.buffer and time.monotonic() - p.last_result > FOLLOW_FLUSH_IDLE_S:
+                    self._flush(p)
             if time.monotonic() - last_maintain > MAINTAIN_EVERY_S:
                 self._maintain()
                 last_maintain = time.monotonic()
@@ -179,7 +191,7 @@ class FeaturesPass:
         return self._report()
 
     def _finished(self, p: DatasetPass) -> bool:
-        if not (p.rows_done or self.guard.reason):
+        if self.follow or not (p.rows_done or self.guard.reason):
             return False
         name = keys.features_name(p.ds.name)
         pipe = self.conn.pipeline(transaction=False)
@@ -208,7 +220,10 @@ class FeaturesPass:
                 continue
             return FeaturesPayload(id=row.id, dataset=p.ds.name, input_ids=ids, loss_start=start, loss_end=end,
                                    dtype=self.cfg.features.dtype)
-        p.rows_done = True
+        if self.follow:
+            p.rows = p.tail.new_rows()  # what the collector appends from now on
+        else:
+            p.rows_done = True
         return None
 
     def _enqueue(self, p: DatasetPass) -> bool:

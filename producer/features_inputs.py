@@ -46,15 +46,33 @@ def conversation_ids(tokenizer: Any, row: ResultRow, kwargs: dict[str, Any]) -> 
     return full, len(prompt), len(full)
 
 
+class RowTail:
+    """Reads out/<ds>.jsonl from where it last stopped: complete lines only (the collector appends
+    and fsyncs whole lines; a line without its newline is still being written, or torn)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.line_no = 0
+
+    def new_rows(self) -> Iterator[ResultRow]:
+        """The rows appended since the last call (reading stops at the first incomplete line)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            for raw in fh:
+                if not raw.endswith(b"\n"):
+                    break
+                self.offset += len(raw)
+                self.line_no += 1
+                try:
+                    yield ResultRow.model_validate(json.loads(raw))
+                except (ValueError, ValidationError) as exc:
+                    log.warning("%s:%d: malformed row skipped: %s", self.path, self.line_no,
+                                str(exc).splitlines()[0])
+
+
 def committed_rows(path: Path) -> Iterator[ResultRow]:
     """The rows of out/<ds>.jsonl, in order; a malformed line is reported with file:line and skipped."""
-    if not path.exists():
-        return
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.endswith("\n"):
-                break  # a torn last line (the collector cuts it at its next start)
-            try:
-                yield ResultRow.model_validate(json.loads(line))
-            except (ValueError, ValidationError) as exc:
-                log.warning("%s:%d: malformed row skipped: %s", path, line_no, str(exc).splitlines()[0])
+    return RowTail(path).new_rows()

@@ -403,3 +403,25 @@ def test_worker_holds_at_most_worker_max_mb(tmp_path, redis_url, conn, sim_facto
         _stop(worker)
     text = log.read_text()
     assert "at most 1 holding responses at once" in text, text
+
+
+def test_follow_captures_rows_as_they_commit(tmp_path, redis_url, conn, sim_factory):
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg = features_config(tmp_path, redis_url, sim, shard_mb=0.0001)  # a shard per sample
+    out = tmp_path / "out"
+    ids = write_rows(out, "A", 6)
+    procs = Procs(cfg, tmp_path)
+    index = features_dir(out, "A") / "index.jsonl"
+    try:
+        procs.start("features-worker")
+        follower = subprocess.Popen([*PY, "features", "--follow", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: len(index_rows(index)) == 6, 60, "the first rows' shards")
+        ids += write_rows_more(out, "A", 6, 6)
+        wait_for(lambda: len(index_rows(index)) == 12, 60, "shards of rows committed later")
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=60)
+        assert follower.returncode == 0, err
+        check_samples(out, "A", ids)
+    finally:
+        procs.stop_all()
