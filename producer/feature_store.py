@@ -9,8 +9,9 @@ removed. Whatever crashed when, a sample id is indexed at most once: a retried j
 id already on disk is dropped (``add`` returns False).
 
 Index row: id, shard, key, shape [tokens, hidden], dtype, input_ids, loss_mask (1 on the
-generated answer's tokens). Tensors of a sample in its shard: ``<key>.hidden_state``,
-``<key>.input_ids`` (I32), ``<key>.loss_mask`` (U8).
+generated answer's tokens), and aux_shape [tokens, 3 x hidden] when an aux server answered too.
+Tensors of a sample in its shard: ``<key>.hidden_state``, ``<key>.input_ids`` (I32),
+``<key>.loss_mask`` (U8), ``<key>.aux_hidden_state`` (with aux_shape).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class FeatureStore:
     ids: set[str] = field(default_factory=set)
     bytes_on_disk: int = 0
     tokens_on_disk: int = 0
-    buffer: list[tuple[FeaturesMeta, bytes]] = field(default_factory=list)
+    buffer: list[tuple[FeaturesMeta, bytes, bytes | None]] = field(default_factory=list)
     buffer_bytes: int = 0
     recovered: Recovered = field(default_factory=Recovered)
 
@@ -111,8 +112,7 @@ class FeatureStore:
                     continue
                 ids = np.frombuffer(read_tensor(shard, f"{s['key']}.input_ids", header, start).data, "<i4")
                 mask = np.frombuffer(read_tensor(shard, f"{s['key']}.loss_mask", header, start).data, "u1")
-                missing.append({"id": s["id"], "shard": shard.name, "key": s["key"], "shape": s["shape"],
-                                "dtype": s["dtype"], "input_ids": ids.tolist(), "loss_mask": mask.tolist()})
+                missing.append({**s, "shard": shard.name, "input_ids": ids.tolist(), "loss_mask": mask.tolist()})
                 self.ids.add(s["id"])
         if missing:
             self._append_index(missing)
@@ -128,13 +128,14 @@ class FeatureStore:
     def has(self, pid: str) -> bool:
         return pid in self.ids or pid in self._buffered
 
-    def add(self, meta: FeaturesMeta, data: bytes) -> bool:
-        """Buffer one sample for the next shard; False (dropped) if its id is on disk or buffered already."""
+    def add(self, meta: FeaturesMeta, data: bytes, aux: bytes | None = None) -> bool:
+        """Buffer one sample (and its aux layers, if any) for the next shard; False (dropped) if its id is on
+        disk or buffered already."""
         if self.has(meta.id):
             return False
-        self.buffer.append((meta, data))
+        self.buffer.append((meta, data, aux))
         self._buffered.add(meta.id)
-        self.buffer_bytes += len(data)
+        self.buffer_bytes += len(data) + (len(aux) if aux else 0)
         return True
 
     @property
@@ -148,26 +149,29 @@ class FeatureStore:
         path = self._next_shard()
         tensors: list[Tensor] = []
         samples, rows = [], []
-        for meta, data in self.buffer:
+        for meta, data, aux in self.buffer:
             key = encode_id(meta.id)
             n = len(meta.input_ids)
             mask = meta.loss_mask()
             tensors += [Tensor(f"{key}.hidden_state", DTYPES[meta.dtype], meta.shape, data),
                         Tensor(f"{key}.input_ids", "I32", [n], np.asarray(meta.input_ids, "<i4").tobytes()),
                         Tensor(f"{key}.loss_mask", "U8", [n], np.asarray(mask, "u1").tobytes())]
-            samples.append({"id": meta.id, "key": key, "shape": meta.shape, "dtype": meta.dtype})
-            rows.append({"id": meta.id, "shard": path.name, "key": key, "shape": meta.shape, "dtype": meta.dtype,
-                         "input_ids": meta.input_ids, "loss_mask": mask})
+            sample: dict = {"id": meta.id, "key": key, "shape": meta.shape, "dtype": meta.dtype}
+            if aux is not None and meta.aux_shape is not None:
+                tensors.append(Tensor(f"{key}.aux_hidden_state", DTYPES[meta.dtype], meta.aux_shape, aux))
+                sample["aux_shape"] = meta.aux_shape
+            samples.append(sample)
+            rows.append({**sample, "shard": path.name, "input_ids": meta.input_ids, "loss_mask": mask})
         size = write_atomic(path, tensors, {"format": FORMAT, "dataset": self.ds,
                                             "samples": json.dumps(samples, separators=(",", ":"))})
         # A kill here: the shard is on disk, the index misses its rows; _recover adds them.
         if os.environ.get(CRASH_ENV):  # tests/test_features.py kills the pass exactly here
             os.kill(os.getpid(), signal.SIGKILL)
         self._append_index(rows)
-        ids = [m.id for m, _ in self.buffer]
+        ids = [m.id for m, _, _ in self.buffer]
         self.ids.update(ids)
         self.bytes_on_disk += size
-        self.tokens_on_disk += sum(m.shape[0] for m, _ in self.buffer)
+        self.tokens_on_disk += sum(m.shape[0] for m, _, _ in self.buffer)
         self.buffer.clear()
         self._buffered.clear()
         self.buffer_bytes = 0
@@ -216,6 +220,10 @@ def check_store(out_dir: Path, ds: str, row_ids: set[str]) -> list[str]:
             continue
         if list(info["shape"]) != list(r["shape"]) or info["dtype"] != DTYPES[r["dtype"]]:
             problems.append(f"{where}: shard says {info['dtype']} {info['shape']}, index {r['dtype']} {r['shape']}")
+        if r.get("aux_shape") is not None:
+            aux = h.get(f"{r['key']}.aux_hidden_state") if h else None
+            if aux is None or list(aux["shape"]) != list(r["aux_shape"]) or r["aux_shape"][0] != r["shape"][0]:
+                problems.append(f"{where}: aux_hidden_state {r['aux_shape']} does not match the shard or the tokens")
         if not len(r["input_ids"]) == len(r["loss_mask"]) == r["shape"][0]:
             problems.append(f"{where}: {len(r['input_ids'])} input ids, {len(r['loss_mask'])} mask entries, "
                             f"{r['shape'][0]} hidden-state rows")

@@ -290,7 +290,7 @@ class FeaturesPass:
             for eid, fields in entries:
                 p.cursor = eid.decode()
                 data = fields[b"data"]
-                p.consumed.append((eid, len(data)))
+                p.consumed.append((eid, len(data) + len(fields.get(b"aux", b""))))
                 try:
                     meta = FeaturesMeta.model_validate_json(fields[b"meta"])
                 except ValueError as exc:
@@ -298,8 +298,10 @@ class FeaturesPass:
                     continue
                 p.outstanding.pop(meta.id, None)
                 # what the sample will weigh in a shard: tensor, token ids (4 B) and mask (1 B), header entries
-                self.guard.learn(meta.shape[0], len(data) + 5 * meta.shape[0] + SAMPLE_HEADER_BYTES)
-                if p.store.add(meta, data):
+                self.guard.learn(meta.shape[0], len(data) + len(fields.get(b"aux", b"")) + 5 * meta.shape[0]
+                                 + SAMPLE_HEADER_BYTES)
+                aux = fields.get(b"aux")
+                if p.store.add(meta, data, aux):
                     p.captured += 1
                 else:
                     p.duplicates += 1  # a retried job's second copy

@@ -221,14 +221,19 @@ class MonitorConfig(_Strict):
 class FeaturesServerConfig(_Strict):
     # Servers started with --enable-return-hidden-states; None = the generation servers (server.urls).
     urls: list[str] | None = Field(default=None, min_length=1)
+    # Servers started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: each sample
+    # is also prefilled there and the answer kept as its aux_hidden_state (what EAGLE-3 trains on).
+    aux_urls: list[str] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _check_urls(self) -> FeaturesServerConfig:
-        for url in self.urls or []:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"features.server.urls: {url!r} is not an http(s) URL")
-        if self.urls:
-            self.urls = [u.rstrip("/") for u in self.urls]
+        for name in ("urls", "aux_urls"):
+            urls = getattr(self, name)
+            for url in urls or []:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"features.server.{name}: {url!r} is not an http(s) URL")
+            if urls:
+                setattr(self, name, [u.rstrip("/") for u in urls])
         return self
 
 

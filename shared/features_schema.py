@@ -37,4 +37,6 @@ class FeaturesMeta(FeaturesPayload):
     """The ``meta`` field of a features results-stream entry; ``data`` holds the tensor's bytes."""
 
     shape: list[int]
+    # Set when an aux server answered too (features.server.aux_urls): the stream entry's ``aux`` field.
+    aux_shape: list[int] | None = None
     endpoint: str = ""

@@ -78,17 +78,32 @@ def vectors(ids: np.ndarray, positions: np.ndarray, hidden_size: int) -> np.ndar
     return ((raw % 255) - 127).astype(np.float32) / 128.0
 
 
-def hidden_states(mode: str, prompt: list[int], output_ids: list[int], hidden_size: int) -> Any:
-    """meta_info.hidden_states for one finished request (numpy arrays: the response is written by orjson)."""
+def aux_vectors(ids: np.ndarray, positions: np.ndarray, hidden_size: int, layers: int) -> np.ndarray:
+    """float32 [len(ids), layers * hidden_size]: the aux capture's layers side by side (layer l is
+    ``vectors`` of ids shifted by 101 * (l + 1)), as ``--enable-return-aux-hidden-states`` concatenates them."""
+    return np.concatenate([vectors(ids + 101 * (k + 1), positions, hidden_size) for k in range(layers)], axis=1)
+
+
+def hidden_states(mode: str, prompt: list[int], output_ids: list[int], hidden_size: int, aux_layers: int = 0) -> Any:
+    """meta_info.hidden_states for one finished request (numpy arrays: the response is written by orjson).
+
+    aux_layers > 0: a server started with --enable-return-aux-hidden-states answers with the aux
+    layers concatenated in place of the last layer (sglang/srt/arg_groups/fields/exec_.py)."""
+    if aux_layers:
+        def rows(ids: np.ndarray, pos: np.ndarray, size: int) -> np.ndarray:
+            return aux_vectors(ids, pos, size, aux_layers)
+    else:
+        def rows(ids: np.ndarray, pos: np.ndarray, size: int) -> np.ndarray:
+            return vectors(ids, pos, size)
     n = len(prompt)
     if mode == "last":
         if len(output_ids) > 1:  # the last decode step's row
-            return vectors(np.array(output_ids[-2:-1]), np.array([n + len(output_ids) - 2]), hidden_size)[0]
-        return vectors(np.array(prompt[-1:]), np.array([n - 1]), hidden_size)[0]
-    block = vectors(np.array(prompt), np.arange(n), hidden_size)
+            return rows(np.array(output_ids[-2:-1]), np.array([n + len(output_ids) - 2]), hidden_size)[0]
+        return rows(np.array(prompt[-1:]), np.array([n - 1]), hidden_size)[0]
+    block = rows(np.array(prompt), np.arange(n), hidden_size)
     out: list[Any] = [block]
     # Each decode step adds the row of the token it fed in: output token k-1 at position n+k-1.
     steps = output_ids[:-1]
     if steps:
-        out.extend(vectors(np.array(steps), np.arange(n, n + len(steps)), hidden_size))
+        out.extend(rows(np.array(steps), np.arange(n, n + len(steps)), hidden_size))
     return out

@@ -143,7 +143,7 @@ class NativeRoutes:
                 continue
             prompt = inp if isinstance(inp, list) else [0] * max(1, out["meta_info"].get("prompt_tokens", 1))
             out["meta_info"]["hidden_states"] = hidden.hidden_states(mode, prompt, out["output_ids"],
-                                                                     self.s.hidden_size)
+                                                                     self.s.hidden_size, self.s.aux_layers)
         body = orjson.dumps(outs if batch else outs[0], option=orjson.OPT_SERIALIZE_NUMPY)
         return web.Response(body=body, content_type="application/json")
 

@@ -54,3 +54,5 @@ class SimSettings:
     # (None: off, requests asking for them get SGLang's 400), and the model's hidden size.
     return_hidden_states_mode: str | None = None
     hidden_size: int = 64
+    # --enable-return-aux-hidden-states: this many layers (EAGLE-3: 3) concatenated in place of the last.
+    aux_layers: int = 0

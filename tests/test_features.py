@@ -444,3 +444,36 @@ def test_disk_guard_stops_before_the_volume_fills(tmp_path, monkeypatch):
     assert not guard.admit(100, 200, 2, 0, 0)
     assert guard.reason is not None and "would fill" in guard.reason and "features.min_free_mb" in guard.reason
     assert not guard.admit(1, 0, 0, 0, 0), "stopped stays stopped"
+
+
+def test_aux_server_answers_are_kept_as_aux_hidden_state(tmp_path, redis_url, conn, sim_factory):
+    """features.server.aux_urls (a server with --enable-return-aux-hidden-states): each sample also gets
+    the three EAGLE-3 layers, [tokens, 3 x hidden], aligned with its tokens, and the offline export has them."""
+    from producer.features_export import offline_samples
+    from simulator.hidden import aux_vectors
+
+    main = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    aux = sim_factory("--instant", "--enable-return-aux-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg = features_config(tmp_path, redis_url, main)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["features"]["server"]["aux_urls"] = [aux]
+    cfg.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    ids = write_rows(out, "A", 5)
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.start("features-worker")
+        res = run_features(cfg)
+        assert res.returncode == 0, res.stdout + res.stderr
+    finally:
+        procs.stop_all()
+    rows = check_samples(out, "A", ids)
+    d = features_dir(out, "A")
+    for r in rows:
+        assert r["aux_shape"] == [len(r["input_ids"]), 3 * HIDDEN]
+        t = read_tensor(d / r["shard"], f"{r['key']}.aux_hidden_state")
+        want = aux_vectors(np.array(r["input_ids"]), np.arange(len(r["input_ids"])), HIDDEN, 3)
+        assert np.array_equal(from_dtype(t.data, r["dtype"], t.shape), want)
+    assert all(s.aux_hidden_state is not None and s.aux_hidden_state[1] == [1, s.input_ids.size, 3 * HIDDEN]
+               for s in offline_samples(out, "A"))
+    assert run_features(cfg, "--check").returncode == 0

@@ -89,7 +89,7 @@ class FeaturesWorker:
     def _room_for(self, n_tokens: int) -> bool:
         """Whether a job of n tokens may send its request now: it fits under features.worker_max_mb
         with what the other jobs hold, or nothing is held at all (one job always runs)."""
-        est = n_tokens * self.json_bytes_per_token
+        est = n_tokens * self.json_bytes_per_token * (4 if self.cfg.features.server.aux_urls else 1)
         return self.held_bytes == 0 or self.held_bytes + est <= self.f.worker_max_mb * MB
 
     async def _claimable(self) -> list[str]:
@@ -168,25 +168,26 @@ class FeaturesWorker:
             self._hold(h, int(n * self.json_bytes_per_token))  # no await since the check: nobody overtakes
             self.peak_held_jobs = max(self.peak_held_jobs, sum(1 for x in self.held.values() if x.bytes))
             try:
-                raw = await self.client.prefill_hidden_states(payload.input_ids, h.claimed.job_id)
-                self._hold(h, len(raw.body))
-                endpoint = raw.endpoint
-                self.json_bytes_per_token = 0.8 * self.json_bytes_per_token + 0.2 * len(raw.body) / n
-                blob, shape = await asyncio.get_running_loop().run_in_executor(
-                    self.decoders, decode, raw.body, n, payload.dtype)
-                del raw
-                self._hold(h, len(blob))
+                blob, shape, endpoint = await self._capture(self.client, h, payload, 0)
+                aux: tuple[bytes, list[int], str] | None = None
+                if self.aux_client is not None:  # the same prefill on a server returning EAGLE-3's aux layers
+                    aux = await self._capture(self.aux_client, h, payload, len(blob))
+                    if aux[1][0] != shape[0]:
+                        raise HiddenStatesError(f"aux server returned {aux[1][0]} rows, main server {shape[0]}")
             except (FatalRequestError, RetryableRequestError, HiddenStatesError) as exc:
                 log.warning("features job %s failed: %s", h.claimed.job_id, exc)
                 await self._finish(h, "failed", error=str(exc))
                 return
-            meta = FeaturesMeta(**payload.model_dump(), shape=shape, endpoint=endpoint)
+            meta = FeaturesMeta(**payload.model_dump(), shape=shape, endpoint=endpoint,
+                                aux_shape=aux[1] if aux else None)
+            fields = {"id": payload.id, "meta": meta.model_dump_json(), "data": blob}
+            if aux is not None:
+                fields["aux"] = aux[0]
             async with self.aconn.pipeline(transaction=True) as p:
-                p.xadd(keys.features_results_key(h.ds), {"id": payload.id, "meta": meta.model_dump_json(),
-                                                         "data": blob})
-                p.incrby(keys.features_pending_key(h.ds), len(blob))
+                p.xadd(keys.features_results_key(h.ds), fields)  # type: ignore[arg-type]
+                p.incrby(keys.features_pending_key(h.ds), len(blob) + (len(aux[0]) if aux else 0))
                 await p.execute()
-            del blob
+            del blob, aux, fields
             # A kill here leaves the entry in the stream and the job started: its lease lapses, it
             # runs again, and the collector keeps the first copy of the id only.
             await self._finish(h, "finished", result={"status": "captured", "shape": shape})
@@ -205,6 +206,19 @@ class FeaturesWorker:
             self._hold(h, 0)
             self.held.pop(h.claimed.member, None)
             self.wake.set()
+
+    async def _capture(self, client: HiddenStatesClient, h: _Held, payload: FeaturesPayload,
+                       kept: int) -> tuple[bytes, list[int], str]:
+        """One prefill and its decode: (tensor bytes, shape, endpoint); ``kept`` bytes of this job are held already."""
+        n = len(payload.input_ids)
+        raw = await client.prefill_hidden_states(payload.input_ids, h.claimed.job_id)
+        self._hold(h, kept + len(raw.body))
+        if client is self.client:
+            self.json_bytes_per_token = 0.8 * self.json_bytes_per_token + 0.2 * len(raw.body) / n
+        blob, shape = await asyncio.get_running_loop().run_in_executor(
+            self.decoders, decode, raw.body, n, payload.dtype)
+        self._hold(h, kept + len(blob))
+        return blob, shape, raw.endpoint
 
     async def _finish(self, h: _Held, status: str, *, result: dict | None = None, error: str = "") -> None:
         call = jobs.finish(keys.features_name(h.ds), h.claimed, status, h.started_at, self.name, result=result,
@@ -252,6 +266,9 @@ class FeaturesWorker:
         await asyncio.gather(*[loop.run_in_executor(self.decoders, int, 0) for _ in range(self.f.decode_processes)])
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.client = HiddenStatesClient(session, features_server(self.cfg))
+        aux_urls = self.cfg.features.server.aux_urls
+        self.aux_client = (HiddenStatesClient(session, self.cfg.server.model_copy(update={"urls": aux_urls}))
+                           if aux_urls else None)
         beats = asyncio.create_task(self._heartbeats())
         log.info("features worker %s: %d in flight, up to %.0f MB held", self.name, self.concurrency,
                  self.f.worker_max_mb)
@@ -265,6 +282,8 @@ class FeaturesWorker:
         finally:
             beats.cancel()
             await self.client.close()
+            if self.aux_client is not None:
+                await self.aux_client.close()
             await session.close()
             self.decoders.shutdown(wait=False, cancel_futures=True)
             try:
