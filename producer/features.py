@@ -172,12 +172,13 @@ class FeaturesPass:
         while not self.stop.is_set():
             progressed = False
             for p in self.passes:
-                progressed |= self._enqueue(p)
+                # Collect first: results already waiting (a restart, a plain rq worker) are not enqueued again.
                 if self._collect(p):
                     progressed = True
                     p.last_result = time.monotonic()
                 elif self.follow and p.store.buffer and time.monotonic() - p.last_result > FOLLOW_FLUSH_IDLE_S:
                     self._flush(p)
+                progressed |= self._enqueue(p)
             if time.monotonic() - last_maintain > MAINTAIN_EVERY_S:
                 self._maintain()
                 last_maintain = time.monotonic()

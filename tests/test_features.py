@@ -477,3 +477,24 @@ def test_aux_server_answers_are_kept_as_aux_hidden_state(tmp_path, redis_url, co
     assert all(s.aux_hidden_state is not None and s.aux_hidden_state[1] == [1, s.input_ids.size, 3 * HIDDEN]
                for s in offline_samples(out, "A"))
     assert run_features(cfg, "--check").returncode == 0
+
+
+def test_a_plain_rq_worker_runs_a_features_job(tmp_path, redis_url, conn, sim_factory):
+    """The fallback: `rq worker` (JSON serializer) runs the job function one job at a time; the pass collects."""
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg = features_config(tmp_path, redis_url, sim, concurrency=3)
+    ids = write_rows(tmp_path / "out", "A", 3)
+    fp = FeaturesPass(load_config(cfg), conn)
+    fp._enqueue(fp.passes[0])
+    rq = subprocess.run([str(Path(os.sys.executable).parent / "rq"), "worker", "--burst", "-u", redis_url,
+                         "--serializer", "rq.serializers.JSONSerializer", keys.features_queue_name("A")],
+                        cwd=ROOT, env=dict(os.environ, BUDGETQ_CONFIG=str(cfg)), capture_output=True, text=True,
+                        timeout=120)
+    assert rq.returncode == 0, rq.stdout + rq.stderr
+    assert conn.xlen(keys.features_results_key("A")) == 3
+    res = run_features(cfg)
+    assert res.returncode == 0, res.stdout + res.stderr
+    check_samples(tmp_path / "out", "A", ids)

@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 
 import aiohttp
+from rq import get_current_job
 
 from shared import jobs, keys
-from shared.config import Config, ServerConfig
-from shared.errors import BudgetqError, FatalRequestError, RetryableRequestError
+from shared.config import Config, ServerConfig, load_config
+from shared.errors import FatalRequestError, RetryableRequestError
 from shared.features_schema import FeaturesMeta, FeaturesPayload
+from shared.identity import job_id as job_id_of
 from shared.jobs import Claimed
 from shared.redis_conn import aconnect, connect
 from shared.retry import REDIS_DOWN
@@ -298,7 +300,41 @@ class FeaturesWorker:
 
 
 def run_features_job(payload: dict) -> dict:
-    """The RQ job function of a features job (a plain ``rq worker`` cannot run it: the tensor bytes
-    go to a Redis stream with the collector's bookkeeping; run ``budgetq features-worker``)."""
-    raise BudgetqError("features jobs run in `budgetq features-worker`, not a plain rq worker")
+    """The RQ job function of a features job, for a plain ``rq worker`` (debugging, fallback): one prefill
+    (and its aux one), decoded in this process, the bytes XADDed to the collector's stream, as
+    ``budgetq features-worker`` does with many at once. Set BUDGETQ_CONFIG (or BUDGETQ_* env vars)."""
+    cfg = load_config(os.environ.get("BUDGETQ_CONFIG"))
+    p = FeaturesPayload.model_validate(payload)
+    job = get_current_job()
+    job_id = job.id if job is not None else job_id_of(keys.features_name(p.dataset), p.id)
+    aux_urls = cfg.features.server.aux_urls
 
+    async def main() -> dict:
+        async with aiohttp.ClientSession() as session:
+            clients = [HiddenStatesClient(session, features_server(cfg))]
+            if aux_urls:
+                clients.append(HiddenStatesClient(session, cfg.server.model_copy(update={"urls": aux_urls})))
+            got = []
+            try:
+                for client in clients:
+                    raw = await client.prefill_hidden_states(p.input_ids, job_id)
+                    got.append((*decode(raw.body, len(p.input_ids), p.dtype), raw.endpoint))
+            finally:
+                for client in clients:
+                    await client.close()
+        (blob, shape, endpoint), aux = got[0], (got[1] if len(got) > 1 else None)
+        meta = FeaturesMeta(**p.model_dump(), shape=shape, endpoint=endpoint, aux_shape=aux[1] if aux else None)
+        fields: dict = {"id": p.id, "meta": meta.model_dump_json(), "data": blob}
+        if aux is not None:
+            fields["aux"] = aux[0]
+        conn = aconnect(cfg.redis_url, max_connections=2)
+        try:
+            async with conn.pipeline(transaction=True) as pipe:
+                pipe.xadd(keys.features_results_key(p.dataset), fields)
+                pipe.incrby(keys.features_pending_key(p.dataset), len(blob) + (len(aux[0]) if aux else 0))
+                await pipe.execute()
+        finally:
+            await conn.aclose()
+        return {"status": "captured", "shape": shape}
+
+    return asyncio.run(main())
