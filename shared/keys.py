@@ -175,3 +175,8 @@ def features_pending_key(ds: str) -> str:
     """String counter: bytes of ``features_results_key`` entries not yet on disk; workers stop
     claiming the dataset's features jobs while it is over features.redis_max_mb."""
     return _ds(ds, "features:pending_bytes")
+
+
+def features_lock_key(ds: str) -> str:
+    """String with a TTL: who runs the dataset's features collector (one at a time writes its shards)."""
+    return _ds(ds, "features:lock")

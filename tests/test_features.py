@@ -377,6 +377,7 @@ def test_workers_pause_while_redis_holds_redis_max_mb_for_the_collector(tmp_path
     ids = write_rows(tmp_path / "out", "A", 5)
     fp = FeaturesPass(load_config(cfg), conn)
     fp._enqueue(fp.passes[0])  # queued, no collector running yet
+    fp.release()
     assert conn.llen(keys.rq_queue_key(keys.features_name("A"))) == 5
     worker, log = _info_worker(cfg, tmp_path, "--concurrency", "1")
     try:
@@ -489,6 +490,7 @@ def test_a_plain_rq_worker_runs_a_features_job(tmp_path, redis_url, conn, sim_fa
     ids = write_rows(tmp_path / "out", "A", 3)
     fp = FeaturesPass(load_config(cfg), conn)
     fp._enqueue(fp.passes[0])
+    fp.release()
     rq = subprocess.run([str(Path(os.sys.executable).parent / "rq"), "worker", "--burst", "-u", redis_url,
                          "--serializer", "rq.serializers.JSONSerializer", keys.features_queue_name("A")],
                         cwd=ROOT, env=dict(os.environ, BUDGETQ_CONFIG=str(cfg)), capture_output=True, text=True,
@@ -498,3 +500,18 @@ def test_a_plain_rq_worker_runs_a_features_job(tmp_path, redis_url, conn, sim_fa
     res = run_features(cfg)
     assert res.returncode == 0, res.stdout + res.stderr
     check_samples(tmp_path / "out", "A", ids)
+
+
+def test_one_collector_per_dataset(tmp_path, redis_url, conn):
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+    from shared.errors import BudgetqError
+
+    cfg = load_config(features_config(tmp_path, redis_url, "http://127.0.0.1:9"))
+    first = FeaturesPass(cfg, conn)
+    with pytest.raises(BudgetqError, match="another `budgetq features` is running"):
+        FeaturesPass(cfg, conn)
+    first.release()
+    FeaturesPass(cfg, conn).release()
+    conn.set(keys.features_lock_key("A"), f"{os.uname().nodename}:999999999:abc")  # a pass that died here
+    FeaturesPass(cfg, conn).release()
