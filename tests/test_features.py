@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -491,7 +492,7 @@ def test_a_plain_rq_worker_runs_a_features_job(tmp_path, redis_url, conn, sim_fa
     fp = FeaturesPass(load_config(cfg), conn)
     fp._enqueue(fp.passes[0])
     fp.release()
-    rq = subprocess.run([str(Path(os.sys.executable).parent / "rq"), "worker", "--burst", "-u", redis_url,
+    rq = subprocess.run([str(Path(sys.executable).parent / "rq"), "worker", "--burst", "-u", redis_url,
                          "--serializer", "rq.serializers.JSONSerializer", keys.features_queue_name("A")],
                         cwd=ROOT, env=dict(os.environ, BUDGETQ_CONFIG=str(cfg)), capture_output=True, text=True,
                         timeout=120)
