@@ -320,12 +320,15 @@ def test_specforge_offline_files_load_with_torch(tmp_path):
 
 
 def _wheel_source(rel: str) -> str:
-    import importlib.util
+    """A file of the installed sglang wheel, as text (found through its metadata: tests/sglang_contract.py
+    replaces the ``sglang`` package in sys.modules with a stub)."""
+    import importlib.metadata
 
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        root = Path(str(importlib.metadata.distribution("sglang").locate_file("sglang")))
+    except importlib.metadata.PackageNotFoundError:
         pytest.skip("the sglang wheel is not installed (make installs it)")
-    return (Path(list(spec.submodule_search_locations)[0]) / rel).read_text()
+    return (root / rel).read_text()
 
 
 def test_simulator_messages_and_flags_are_sglangs():
