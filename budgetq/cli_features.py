@@ -13,7 +13,8 @@ from budgetq.cli_common import load, open_redis, positive_int, with_config
 
 
 def cmd_features(args: argparse.Namespace) -> int:
-    from producer.features import FeaturesPass, check, fix_done_set
+    from producer.features import FeaturesPass
+    from producer.features_check import check, fix_done_set
 
     cfg = load(args)
     conn = open_redis(cfg, "features", cfg.redis_wait_s)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -27,7 +26,6 @@ import uuid
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
 import redis
@@ -35,7 +33,8 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.feature_store import FeatureStore
-from producer.features_inputs import FeaturesInputError, RowTail, committed_rows, conversation_ids
+from producer.features_guard import DiskGuard
+from producer.features_inputs import FeaturesInputError, RowTail, conversation_ids
 from producer.tokenize import load_tokenizer
 from shared import jobs, keys
 from shared.config import Config, DatasetConfig
@@ -56,58 +55,6 @@ FOLLOW_FLUSH_IDLE_S = 30.0
 MB = 2**20
 SAMPLE_HEADER_BYTES = 400   # a sample's share of its shard's JSON header (3 tensor entries, metadata), generous
 _LIVE = {b"queued", b"started", b"deferred", b"scheduled"}
-
-
-class DiskGuard:
-    """Stops admissions before the features would pass features.max_bytes or fill the volume.
-
-    Bytes per token are learnt from the first results (no admission past features.concurrency
-    samples before one has arrived); a sample is admitted only if everything admitted and not yet
-    on disk, plus it, fits under both limits.
-    """
-
-    def __init__(self, cfg: Config) -> None:
-        self.max_bytes = cfg.features.max_bytes
-        self.min_free = int(cfg.features.min_free_mb * MB)
-        self.first = cfg.features.concurrency
-        self.out_dir = cfg.output_dir
-        self.seen_bytes = 0
-        self.seen_tokens = 0
-        self.reason: str | None = None
-        self.disk_bytes_per_token: float | None = None
-
-    def learn(self, tokens: int, nbytes: int) -> None:
-        self.seen_tokens += tokens
-        self.seen_bytes += nbytes
-
-    @property
-    def bytes_per_token(self) -> float | None:
-        """The larger of what results weighed in the stream and what shards weigh on disk (with
-        token ids, masks and headers), so the estimate errs toward stopping early."""
-        seen = self.seen_bytes / self.seen_tokens if self.seen_tokens else None
-        if seen is None or self.disk_bytes_per_token is None:
-            return seen
-        return max(seen, self.disk_bytes_per_token)
-
-    def admit(self, tokens: int, outstanding_tokens: int, outstanding_jobs: int, on_disk: int, buffered: int) -> bool:
-        if self.reason is not None:
-            return False
-        bpt = self.bytes_per_token
-        if bpt is None:
-            return outstanding_jobs < self.first
-        coming = buffered + (outstanding_tokens + tokens) * bpt
-        if self.max_bytes is not None and on_disk + coming > self.max_bytes:
-            self.reason = (f"features.max_bytes {self.max_bytes} would be passed: {on_disk} bytes on disk, "
-                           f"~{coming:.0f} more coming at {bpt:.0f} bytes/token; raise features.max_bytes to go on")
-            return False
-        free = shutil.disk_usage(self.out_dir).free
-        if coming > free - self.min_free:
-            self.reason = (f"the output volume of {self.out_dir} would fill: {free / MB:.0f} MB free, "
-                           f"~{coming / MB:.0f} MB more coming at {bpt:.0f} bytes/token, "
-                           f"{self.min_free / MB:.0f} MB kept free (features.min_free_mb); free space and run "
-                           "`budgetq features` again to go on")
-            return False
-        return True
 
 
 @dataclass
@@ -444,43 +391,3 @@ def _dead_here(holder: str) -> bool:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def check(cfg: Config, conn: redis.Redis | None, names: list[str] | None = None) -> dict[str, list[str]]:
-    """rows <-> index <-> shards (and the Redis done set when Redis is given), per dataset."""
-    from producer.feature_store import check_store, features_dir, index_rows
-
-    out: dict[str, list[str]] = {}
-    for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
-        row_ids = {r.id for r in committed_rows(cfg.output_dir / f"{ds.name}.jsonl")}
-        problems = check_store(cfg.output_dir, ds.name, row_ids)
-        if conn is not None:
-            indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
-            done = {_text(m) for m in cast(set[bytes], conn.smembers(keys.features_done_key(ds.name)))}
-            for pid in sorted(done - indexed)[:20]:
-                problems.append(f"redis {keys.features_done_key(ds.name)}: {pid!r} is marked done but not on disk "
-                                "(`budgetq features` re-captures it after `budgetq features --check --fix`)")
-        out[ds.name] = problems
-    return out
-
-
-def fix_done_set(cfg: Config, conn: redis.Redis, names: list[str] | None = None) -> int:
-    """Make the Redis done set exactly the ids on disk; returns how many entries changed."""
-    from producer.feature_store import features_dir, index_rows
-
-    changed = 0
-    for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
-        indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
-        key = keys.features_done_key(ds.name)
-        done = {_text(m) for m in cast(set[bytes], conn.smembers(key))}
-        extra, missing = sorted(done - indexed), sorted(indexed - done)
-        if extra:
-            conn.srem(key, *extra)
-        if missing:
-            conn.sadd(key, *missing)
-        changed += len(extra) + len(missing)
-    return changed
-
-
-def path_of(cfg: Config, ds: str) -> Path:
-    return cfg.output_dir / ds / "features"

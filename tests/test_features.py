@@ -435,7 +435,7 @@ def test_follow_captures_rows_as_they_commit(tmp_path, redis_url, conn, sim_fact
 def test_disk_guard_stops_before_the_volume_fills(tmp_path, monkeypatch):
     from collections import namedtuple
 
-    from producer import features as pf
+    from producer import features_guard as pf
     from shared.config import Config
 
     cfg = Config.model_validate({"output_dir": str(tmp_path), "features": {"min_free_mb": 1, "concurrency": 2}})
