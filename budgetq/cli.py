@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from budgetq import cli_data, cli_ops, cli_sim
+from budgetq import cli_data, cli_features, cli_ops, cli_sim
 from budgetq.cli_common import load, open_redis, positive_int, seconds, with_config
 from shared.config import Config
 from shared.errors import BudgetqError
@@ -302,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_sim.register(sub)
     cli_ops.register(sub)
     cli_data.register(sub)
+    cli_features.register(sub)  # hidden states (issue 17)
     return p
 
 

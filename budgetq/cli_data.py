@@ -22,6 +22,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     dest = Path(args.out) if args.out else cfg.output_dir
     missing = 0
     for name in names:
+        if args.format == "specforge-offline":  # hidden states (issue 17): from the features shards
+            from producer.features_export import export_specforge_offline, offline_note
+
+            off = export_specforge_offline(cfg.output_dir, name, dest / f"{name}.specforge-offline")
+            print(f"{name}: {off.written} files -> {off.target} ({off.kept} already there){offline_note(off)}")
+            continue
         source = cfg.output_dir / f"{name}.jsonl"
         if not source.exists():
             print(f"{name}: no {source}: nothing to export", file=sys.stderr)
@@ -65,8 +71,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("export", help="convert out/<dataset>.jsonl to Parquet"))
     sp.add_argument("--dataset", action="append", help="dataset name (repeatable); default: every dataset")
-    sp.add_argument("--format", choices=("parquet", "specforge"), default="parquet",
-                    help="specforge: <dataset>.specforge.jsonl, complete rows SpecForge accepts only")
+    sp.add_argument("--format", choices=("parquet", "specforge", "specforge-offline"), default="parquet",
+                    help="specforge: <dataset>.specforge.jsonl, complete rows SpecForge accepts only; "
+                         "specforge-offline: the hidden states as SpecForge's offline .ckpt files (needs torch)")
     sp.add_argument("--out", help="directory for <dataset>.parquet / .specforge.jsonl (default: output_dir)")
     sp.add_argument("--output-dir", help="where the results JSONL files are (overrides output_dir)")
     sp.set_defaults(func=cmd_export)

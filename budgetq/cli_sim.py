@@ -89,7 +89,18 @@ def settings_from_args(args: argparse.Namespace):
         stream_interval_s=args.stream_interval_s, keep_records=args.keep_records,
         disconnect_poll_s=args.disconnect_poll_s, stream_abort_s=args.stream_abort_s,
         max_total_num_tokens=args.max_total_num_tokens, generation_config=_generation_config(args.generation_config),
-        radix_cache=args.radix_cache, enable_cache_report=args.enable_cache_report)
+        radix_cache=args.radix_cache, enable_cache_report=args.enable_cache_report,
+        return_hidden_states_mode=_hidden_mode(args), hidden_size=args.hidden_size,
+        aux_layers=3 if args.enable_return_aux_hidden_states else 0)
+
+
+def _hidden_mode(args: argparse.Namespace) -> str | None:
+    """SGLang: --return-hidden-states-mode wins; the legacy flag means full (forward_batch_info.py)."""
+    if args.hidden_size < 1:
+        raise BudgetqError(f"--hidden-size {args.hidden_size}: must be >= 1")
+    # --enable-return-aux-hidden-states sets the mode to full when unset (arg_groups/fields/exec_.py).
+    legacy = args.enable_return_hidden_states or args.enable_return_aux_hidden_states
+    return args.return_hidden_states_mode or ("full" if legacy else None)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -147,6 +158,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (not on /health*, /metrics)")
     g.add_argument("--stream-interval-s", type=float, default=0.05, help="at most one stream chunk per this (wall s)")
     g.add_argument("--keep-records", type=int, default=200_000, help="records /sim/requests keeps")
+    g.add_argument("--enable-return-hidden-states", action="store_true",
+                   help="allow return_hidden_states on /generate (SGLang's legacy flag: mode full)")
+    g.add_argument("--return-hidden-states-mode", choices=("last", "full"), default=None,
+                   help="the server's hidden-state ceiling: last, or full (also return_hidden_states=true)")
+    g.add_argument("--enable-return-aux-hidden-states", action="store_true",
+                   help="return_hidden_states answers 3 layers side by side (EAGLE-3's aux capture): 3 x hidden wide")
+    g.add_argument("--hidden-size", type=int, default=64, help="length of each simulated hidden-state vector")
     g.add_argument("--generation-config", default=None, metavar="JSON",
                    help="generation_config.json whose sampling defaults fill unset chat fields")
     g = sp.add_argument_group("faults (also live: POST /sim/faults)")

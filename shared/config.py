@@ -227,6 +227,58 @@ class MonitorConfig(_Strict):
     password: str | None = Field(default=None, repr=False)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states (issue 17): the `features` pass, a prefill-only request per committed row that
+# returns the target model's hidden states (docs/hidden_states.md).
+# ---------------------------------------------------------------------------------------------
+class FeaturesServerConfig(_Strict):
+    # Servers started with --enable-return-hidden-states; None = the generation servers (server.urls).
+    urls: list[str] | None = Field(default=None, min_length=1)
+    # Servers started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: each sample
+    # is also prefilled there and the answer kept as its aux_hidden_state (what EAGLE-3 trains on).
+    aux_urls: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> FeaturesServerConfig:
+        for name in ("urls", "aux_urls"):
+            urls = getattr(self, name)
+            for url in urls or []:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"features.server.{name}: {url!r} is not an http(s) URL")
+            if urls:
+                setattr(self, name, [u.rstrip("/") for u in urls])
+        return self
+
+
+class FeaturesConfig(_Strict):
+    server: FeaturesServerConfig = Field(default_factory=FeaturesServerConfig)
+    # How hidden states are stored: float16, or bfloat16 (the models' own dtype; no overflow).
+    dtype: Literal["float16", "bfloat16"] = "bfloat16"
+    # A shard (out/<ds>/features/<n>.safetensors) is closed and written once it holds this much.
+    shard_mb: float = Field(default=512.0, gt=0)
+    # Admissions stop before the features of a run would pass this many bytes on disk (None: only
+    # the volume's free space bounds it), with a clear message. Accepts 10G-style counts.
+    max_bytes: TokenCount | None = None
+    # Free space left untouched on the output volume, whatever max_bytes says.
+    min_free_mb: float = Field(default=1024.0, ge=0)
+    # Prefill requests in flight per features worker process.
+    concurrency: int = Field(default=8, gt=0)
+    # Response bytes (JSON in flight + decoded blobs) a features worker holds at once; it claims
+    # no more while over (one request is always allowed).
+    worker_max_mb: float = Field(default=2048.0, gt=0)
+    # Decoded bytes waiting in Redis for the collector, per dataset; workers stop claiming over it.
+    redis_max_mb: float = Field(default=2048.0, gt=0)
+    # Processes decoding JSON responses per features worker (off the event loop).
+    decode_processes: int = Field(default=2, gt=0)
+    # Features jobs queued per dataset at once (each carries its token ids).
+    high_water: int = Field(default=256, gt=0)
+
+    @property
+    def shard_bytes(self) -> int:
+        return int(self.shard_mb * 2**20)
+
+
 class Config(_Strict):
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)
     # How long worker, producer and monitor wait for Redis at start (backoff, a log line);
@@ -238,6 +290,7 @@ class Config(_Strict):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig)  # hidden states (issue 17)
 
     @model_validator(mode="after")
     def _unique(self) -> Config:

@@ -33,6 +33,9 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_]+(?:-[A-Za-z0-9_]+)*")
 READABLE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,99}")
 RQ_JOB_ID = re.compile(r"[A-Za-z0-9_-]+")  # rq.job.JOB_ID_PATTERN, fullmatch
 SEPARATOR = "--"
+# A dataset's hidden-states (features) jobs run under the name <ds><FEATURES_SUFFIX> (shared/keys.py
+# features_name): no dataset may be named so, which keeps their queues and job ids apart.
+FEATURES_SUFFIX = "-features"
 HASH_HEX = 32
 PREFIX_MAX = 40
 # Conf-hash field naming the id scheme a dataset's Redis state was written with.
@@ -58,6 +61,11 @@ def check_name(name: str) -> str:
         why = f"is longer than {NAME_MAX} characters" if isinstance(name, str) and len(name) > NAME_MAX \
             else "may hold only letters, digits and '_', in parts joined by single '-'"
         raise IdError(f"dataset name {shown!r} {why}")
+    if name.endswith(FEATURES_SUFFIX):
+        # <ds>-features names dataset ds's hidden-states jobs (their queue, job ids and stats):
+        # a dataset of that name would share them.
+        raise IdError(f"dataset name {name!r} may not end in {FEATURES_SUFFIX!r}: that suffix names the "
+                      f"hidden-states jobs of dataset {name[:-len(FEATURES_SUFFIX)]!r}")
     return name
 
 

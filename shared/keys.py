@@ -9,6 +9,9 @@ atomically within RQ's layout, checked by tests against RQ's own API); those key
 hash tag, so those scripts are not Redis Cluster-legal. budgetq needs a single Redis
 (optionally with replicas), not a Cluster: see docs/resilience.md.
 """
+from __future__ import annotations
+
+from shared import identity
 
 PREFIX = "bq"
 DATASETS = f"{PREFIX}:datasets"
@@ -153,3 +156,45 @@ def capacity_key(url: str) -> str:
     its requests for the server at ``url`` (worker.concurrency: auto, worker/capacity.py): the
     live workers sharing that server."""
     return f"{PREFIX}:capacity:{url}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states (issue 17: the `features` pass). A dataset's features jobs live in their own RQ
+# queue, bq-<ds>-features, written through the same claim/finish/requeue scripts as generation
+# jobs: those scripts take a "dataset" and derive RQ's keys from it, so the features pass hands
+# them features_name(ds). Per-dataset keys keep the {ds} hash tag of the dataset itself.
+# ---------------------------------------------------------------------------------------------
+# Set of dataset names whose features queue a features worker polls.
+FEATURES_DATASETS = f"{PREFIX}:features:datasets"
+
+
+def features_name(ds: str) -> str:
+    """The name the job scripts get for a dataset's features jobs: its queue is bq-<ds>-features."""
+    return f"{ds}{identity.FEATURES_SUFFIX}"
+
+
+def features_queue_name(ds: str) -> str:
+    """RQ queue of a dataset's features jobs."""
+    return queue_name(features_name(ds))
+
+
+def features_done_key(ds: str) -> str:
+    """Set: prompt ids whose hidden states are on disk (in a shard and the index)."""
+    return _ds(ds, "features:done")
+
+
+def features_results_key(ds: str) -> str:
+    """Stream of decoded hidden states waiting for the features collector (fields id, meta, data:
+    raw little-endian tensor bytes). Entries are deleted once their shard is on disk."""
+    return _ds(ds, "features:results")
+
+
+def features_pending_key(ds: str) -> str:
+    """String counter: bytes of ``features_results_key`` entries not yet on disk; workers stop
+    claiming the dataset's features jobs while it is over features.redis_max_mb."""
+    return _ds(ds, "features:pending_bytes")
+
+
+def features_lock_key(ds: str) -> str:
+    """String with a TTL: who runs the dataset's features collector (one at a time writes its shards)."""
+    return _ds(ds, "features:lock")

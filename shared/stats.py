@@ -45,6 +45,8 @@ class Stat(enum.StrEnum):
     ABORTED = "aborted"                # ending: cancelled while at the server
     FAILED = "failed"                  # ending: the request failed (or its payload was unreadable)
     ALREADY_DONE = "already_done"      # ending: another copy of the job had committed it
+    CAPTURED = "captured"              # ending (features pass, in the <ds>-features stats hash): hidden
+                                       # states of a row decoded and sent to the pass
     EXTRA_REQUESTS = "extra_requests"  # commit.lua: requests beyond one per result (regenerate: all), so
                                        # reserve.lua's mean stays per request
     REQUEUED = "requeued"              # requeue: shutdown or paused dataset
@@ -63,5 +65,5 @@ class Stat(enum.StrEnum):
 
 # Counted by the Lua scripts from a field name passed in ARGV (finish.lua ARGV[16],
 # requeue.lua ARGV[3]) rather than spelled in the script.
-ENDING_STATS = frozenset({Stat.SKIPPED, Stat.ABORTED, Stat.FAILED, Stat.ALREADY_DONE})
+ENDING_STATS = frozenset({Stat.SKIPPED, Stat.ABORTED, Stat.FAILED, Stat.ALREADY_DONE, Stat.CAPTURED})
 REQUEUE_STATS = frozenset({Stat.REQUEUED, Stat.RECOVERED})

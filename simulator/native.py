@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
 from aiohttp import web
 
+from simulator import hidden
 from simulator.model import RequestRecord, SimSettings
 from simulator.runner import (
     WAITING_ABORT,
@@ -100,6 +102,7 @@ class NativeRoutes:
                     check_contract(sp or {})
             except SamplingError as exc:
                 raise BadRequest(str(exc), kind="contract") from exc
+            modes = hidden.request_modes(body, n, self.s.return_hidden_states_mode)
             if (err := self.runner.injected_error()) is not None:
                 raise err
         except BadRequest as exc:
@@ -127,7 +130,22 @@ class NativeRoutes:
             return await self._stream(request, recs, caps, batch)
         await self.runner.wait_all(recs, request)
         outs = [_output(r, r.completion_tokens, cap, final=True) for r, cap in zip(recs, caps, strict=True)]
+        if any(modes):
+            return self._with_hidden_states(outs, inputs, modes, batch)
         return web.json_response(outs if batch else outs[0])
+
+    def _with_hidden_states(self, outs: list[dict], inputs: list[str | list[int]], modes: list[str | None],
+                            batch: bool) -> web.Response:
+        """meta_info.hidden_states on the final answer (simulator/hidden.py says what SGLang returns); orjson
+        writes the numpy rows, as SGLang's ORJSONResponse writes its lists (json.dumps would take seconds)."""
+        for out, inp, mode in zip(outs, inputs, modes, strict=True):
+            if mode is None:
+                continue
+            prompt = inp if isinstance(inp, list) else [0] * max(1, out["meta_info"].get("prompt_tokens", 1))
+            out["meta_info"]["hidden_states"] = hidden.hidden_states(mode, prompt, out["output_ids"],
+                                                                     self.s.hidden_size, self.s.aux_layers)
+        body = orjson.dumps(outs if batch else outs[0], option=orjson.OPT_SERIALIZE_NUMPY)
+        return web.Response(body=body, content_type="application/json")
 
     async def _stream(self, request: web.Request, recs: list[RequestRecord], caps: list[int],
                       batch: bool) -> web.StreamResponse:

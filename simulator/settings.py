@@ -55,3 +55,9 @@ class SimSettings:
     radix_cache: bool = False
     # --enable-cache-report: chat/completions usage gets prompt_tokens_details.cached_tokens.
     enable_cache_report: bool = False
+    # Hidden states (simulator/hidden.py): the server's ceiling, as --return-hidden-states-mode
+    # (None: off, requests asking for them get SGLang's 400), and the model's hidden size.
+    return_hidden_states_mode: str | None = None
+    hidden_size: int = 64
+    # --enable-return-aux-hidden-states: this many layers (EAGLE-3: 3) concatenated in place of the last.
+    aux_layers: int = 0

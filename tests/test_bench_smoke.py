@@ -31,6 +31,7 @@ KEY_RATIO = {
     "ceiling": "ratio to goal",
     "prefix_routing": "ratio prefix / least_loaded",
     "concurrency_auto": "ratio auto / best fixed",
+    "features": "ratio pass / direct",
 }
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from rq.job import validate_job_id
 
 from producer.seen import SeenIds
+from shared import keys
 from shared.config import DatasetConfig
 from shared.identity import (
     NAME_MAX,
@@ -91,7 +92,8 @@ def test_ids_refused_name_the_field_and_type(value, msg):
         prompt_id(value, "id")
 
 
-@pytest.mark.parametrize("name", ["A1\n", "A--B", "-A", "A-", "", "a b", "café", "x" * 65, "A.1", "A/1"])
+@pytest.mark.parametrize("name", ["A1\n", "A--B", "-A", "A-", "", "a b", "café", "x" * 65, "A.1", "A/1",
+                                  "A-features"])
 def test_bad_dataset_names_are_refused_naming_the_value(name):
     with pytest.raises(ValueError) as err:
         DatasetConfig(name=name, path="x.jsonl", budget=1)
@@ -102,7 +104,8 @@ def test_bad_dataset_names_are_refused_naming_the_value(name):
 @FEW
 @given(name=st.text(st.characters(max_codepoint=0x2FF, exclude_categories=()), max_size=70))
 def test_a_name_is_accepted_exactly_when_it_fullmatches_and_fits(name, tmp_path_factory):
-    ok = bool(re.fullmatch(r"[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*", name)) and len(name) <= 64
+    ok = bool(re.fullmatch(r"[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*", name)) and len(name) <= 64 \
+        and not name.endswith("-features")
     try:
         check_name(name)
         accepted = True
@@ -191,3 +194,11 @@ def test_any_text_logs_as_exactly_one_line(text):
         out = _render(fmt, "v=%s", text)
         assert len(out.rstrip("\n").splitlines()) == 1 and out.endswith("\n")
     assert "\n" not in escape(text) and len(safe(text).splitlines()) <= 1
+
+
+def test_a_dataset_name_never_meets_another_datasets_hidden_states_jobs():
+    """<ds>-features names ds's features queue and job ids (keys.features_name): a dataset of
+    that name is refused, so neither its queue nor any of its job ids can be ds's features ones."""
+    with pytest.raises(IdError, match="may not end in '-features'.*of dataset 'A'"):
+        check_name(keys.features_name("A"))
+    assert keys.features_queue_name("A") != keys.queue_name("A") and check_name("features") == "features"

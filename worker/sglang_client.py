@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import secrets
@@ -337,3 +338,83 @@ async def probe_server(server: ServerConfig, url: str, timeout_s: float = 5.0) -
             return ServerInfo(url, ids, str(path) if path else None)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return ServerInfo(url, [], None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states (issue 17): one prefill-only /generate per sample. Kept apart from the
+# generation path above; worker/features.py is its only caller.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RawResponse:
+    """A /generate answer left as bytes: a hidden-state response is ~150 MB of JSON for 4k tokens
+    x 4096, parsed in a worker process (worker/hidden_decode.py), never on the event loop."""
+
+    body: bytes
+    endpoint: str
+    latency_s: float
+
+
+def prefill_body(input_ids: list[int], rid: str, mode: bool | str = True) -> dict:
+    """The whole conversation as input_ids, hidden states on, one token generated (the prefill
+    is the work; SGLang's max_new_tokens must be >= 0, sampling/sampling_params.py ``verify``, and
+    the prefill's [len(input_ids)][hidden] block is what comes back:
+    scheduler_components/batch_result_processor.py ``_append_prefill_hidden_states``)."""
+    return {"input_ids": input_ids, "rid": rid, "return_hidden_states": mode,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+
+
+class HiddenStatesClient(SGLangClient):
+    """The same client (endpoint pool, retries, rids, aborts) with one more request kind."""
+
+    async def _prefill_once(self, ep: Endpoint, input_ids: list[int], rid: str) -> RawResponse:
+        ep.in_flight += 1
+        ep.requests += 1
+        started = time.monotonic()
+        try:
+            async with self._session.post(ep.url + "/generate", json=prefill_body(input_ids, rid),
+                                          headers=self._headers, timeout=self._timeout) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    try:
+                        detail: object = json.loads(data)
+                    except ValueError:
+                        detail = data.decode(errors="replace")
+                    self._read(ep, "/generate", resp.status, detail, started)  # raises the right error
+                return RawResponse(data, ep.url, time.monotonic() - started)
+        except aiohttp.ClientConnectorError as exc:
+            raise RetryableRequestError(f"{ep.url}/generate: {type(exc).__name__}: {exc}") from exc
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            self._abort_later(ep, rid)
+            raise RetryableRequestError(f"{ep.url}/generate: {type(exc).__name__}: {exc}") from exc
+        except asyncio.CancelledError:
+            self._abort_later(ep, rid)
+            raise
+        finally:
+            ep.in_flight -= 1
+
+    async def prefill_hidden_states(self, input_ids: list[int], job_id: str) -> RawResponse:
+        """POST the prefill with retries on transient failures (as ``complete``); the body stays raw."""
+        attempt = 0
+        while True:
+            ep = self.pool.pick()
+            if ep is None:
+                await self.pool.wait_healthy()
+                continue
+            attempt += 1
+            try:
+                out = await self._prefill_once(ep, input_ids, attempt_rid(job_id))
+            except RetryableRequestError as exc:
+                if isinstance(exc, DuplicateRidError):  # the server answered: the endpoint is fine
+                    self.pool.success(ep)
+                else:
+                    self.pool.failure(ep, str(exc))
+                if attempt >= self._server.max_attempts:
+                    raise RetryableRequestError(f"gave up after {attempt} attempts: {exc}") from exc
+                if not isinstance(exc, DuplicateRidError):
+                    await asyncio.sleep(backoff_s(attempt, self._server.backoff_base_s, self._server.backoff_max_s))
+                continue
+            except FatalRequestError:
+                self.pool.success(ep)
+                raise
+            self.pool.success(ep)
+            return out

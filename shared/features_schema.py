@@ -1,0 +1,42 @@
+"""What a features job carries (producer -> worker) and what its result says (worker -> collector), as JSON."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FeaturesDtype = Literal["float16", "bfloat16"]
+
+
+class FeaturesPayload(BaseModel):
+    """One committed row to prefill: the whole conversation (the generated answer included) as
+    token ids, through the same chat template, and where the answer's tokens are (the loss span)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    dataset: str
+    input_ids: list[int] = Field(min_length=1)
+    loss_start: int = Field(ge=0)
+    loss_end: int = Field(ge=0)
+    dtype: FeaturesDtype = "bfloat16"
+
+    @model_validator(mode="after")
+    def _span(self) -> FeaturesPayload:
+        if not self.loss_start <= self.loss_end <= len(self.input_ids):
+            raise ValueError(f"loss span [{self.loss_start}, {self.loss_end}) is outside the "
+                             f"{len(self.input_ids)} input ids")
+        return self
+
+    def loss_mask(self) -> list[int]:
+        n = len(self.input_ids)
+        return [0] * self.loss_start + [1] * (self.loss_end - self.loss_start) + [0] * (n - self.loss_end)
+
+
+class FeaturesMeta(FeaturesPayload):
+    """The ``meta`` field of a features results-stream entry; ``data`` holds the tensor's bytes."""
+
+    shape: list[int]
+    # Set when an aux server answered too (features.server.aux_urls): the stream entry's ``aux`` field.
+    aux_shape: list[int] | None = None
+    endpoint: str = ""
