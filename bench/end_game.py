@@ -35,7 +35,7 @@ from budget_precision import Sampler
 from shared import keys
 from shared.identity import job_id, split_job_id
 from shared.tokens import format_tokens
-from worker.sglang_client import job_id_of_rid
+from worker.sglang_wire import job_id_of_rid
 
 SIGMA = 1.0
 MAX_TOKENS = 8192

@@ -38,7 +38,7 @@ from shared.features_schema import FeaturesMeta
 from simulator.hidden import vectors
 from tests.tiny_tokenizer import make_tiny_tokenizer
 from worker.hidden_decode import decode
-from worker.sglang_client import prefill_body
+from worker.sglang_wire import prefill_body
 
 WORDS = ["hello", "what", "is", "the", "answer", "question", "explain", "write", "about", "of", "and"]
 

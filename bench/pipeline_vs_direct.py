@@ -28,7 +28,7 @@ import aiohttp
 
 from shared.config import ServerConfig
 from shared.schema import JobPayload, Message, SamplingParams
-from worker.sglang_client import build_request
+from worker.sglang_wire import build_request
 
 DS = "P1"
 MAX_TOKENS = 8192

@@ -351,7 +351,7 @@ def test_simulator_messages_and_flags_are_sglangs():
 
 def test_the_prefill_request_passes_sglangs_request_model():
     from tests import sglang_contract as sc
-    from worker.sglang_client import prefill_body
+    from worker.sglang_wire import prefill_body
 
     try:
         sc.validate_generate_request(json.loads(json.dumps(prefill_body([1, 2, 3], "A-features--r1.0123456789ab"))))

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from shared.identity import job_id
 from tests.helpers import PY, ROOT, rows, sim_get, write_config, write_dataset
 from tests.tiny_tokenizer import make_tiny_tokenizer
-from worker.sglang_client import job_id_of_rid
+from worker.sglang_wire import job_id_of_rid
 
 
 def _run(cfg) -> None:

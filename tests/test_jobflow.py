@@ -25,7 +25,7 @@ from worker.control import Control
 from worker.estimator import LengthModel
 from worker.jobflow import run_job
 from worker.recorder import Recorder
-from worker.sglang_client import Completion
+from worker.sglang_wire import Completion
 from worker.tracked import Abort, Phase, Tracked
 
 

@@ -33,7 +33,8 @@ from tests.helpers import Procs, check_invariants, holders, rows, run_to_complet
 from tests.tiny_tokenizer import make_tiny_tokenizer
 from worker import turns
 from worker.process import build_row, run_one
-from worker.sglang_client import SGLangClient, attempt_rid, job_id_of_rid
+from worker.sglang_client import SGLangClient
+from worker.sglang_wire import attempt_rid, job_id_of_rid
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 

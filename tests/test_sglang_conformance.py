@@ -2,7 +2,7 @@
 
 tests/sglang_contract.py loads SGLang's protocol models from the installed wheel (version in
 tests/SGLANG_VERSION). A simulator response must survive SGLang's model round trip unchanged
-(same keys, same values); every body worker.sglang_client.build_request makes must pass
+(same keys, same values); every body worker.sglang_wire.build_request makes must pass
 SGLang's request models and SamplingParams.verify(). The body is validated as built, whatever
 keys it has today.
 """
@@ -21,7 +21,7 @@ from shared.sglang_names import CHAT_REQUEST_KEYS, GENERATE_CONTRACT_SAMPLING_KE
 from simulator import sampling as sim_sampling
 from tests import sglang_contract as sc
 from tests.test_simulator import CHAT, MSGS, post, run_sim, sse, until
-from worker.sglang_client import build_request
+from worker.sglang_wire import build_request
 
 # --- name sets ------------------------------------------------------------------------------------
 

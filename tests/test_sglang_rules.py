@@ -24,7 +24,8 @@ from shared.errors import FatalRequestError, RetryableRequestError
 from shared.sampling import NEUTRAL, generation_defaults, resolve, resolve_datasets
 from shared.schema import JobPayload, Message, SamplingParams
 from simulator.local import free_port
-from worker.sglang_client import SGLangClient, attempt_rid, build_request, job_id_of_rid
+from worker.sglang_client import SGLangClient
+from worker.sglang_wire import attempt_rid, build_request, job_id_of_rid
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DUP = "Duplicate request ID detected: {}"

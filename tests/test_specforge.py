@@ -24,7 +24,7 @@ from shared.schema import Message
 from tests.helpers import PY, ROOT, rows, sim_get, write_config
 from tests.specforge_helper import SpecForgeUnavailable, load_specforge, numpy_tensors, validate_row
 from tests.tiny_tokenizer import CHAT_TEMPLATE, make_tiny_tokenizer
-from worker.sglang_client import job_id_of_rid
+from worker.sglang_wire import job_id_of_rid
 
 DEFAULT_SYSTEM = "you are a helpful assistant ."
 # Qwen2.5-like: its own default system prompt when the conversation has none; Qwen3-like:

@@ -21,7 +21,7 @@ from shared.maintenance import Maintenance, Report
 from shared.scripts import Batcher, ScriptCall, run
 from simulator.local import free_port
 from worker.endpoints import EndpointPool
-from worker.sglang_client import parse_response
+from worker.sglang_wire import parse_response
 
 
 def _register(conn, ds: str = "D", limit: int = 10**6) -> None:

@@ -10,7 +10,8 @@ from shared.jobs import ResultStatus
 from shared.schema import JobPayload, Message, ResultRow
 from shared.scripts import arun
 from worker import turns
-from worker.sglang_client import Completion, SGLangClient, split_thinking
+from worker.sglang_client import SGLangClient
+from worker.sglang_wire import Completion, split_thinking
 
 # How long the one-at-a-time path waits before asking again when the budget may fit later.
 WAIT_POLL_S = 0.05

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from shared.chat_template import encode_chat, load_tokenizer
 from shared.schema import JobPayload, Message
-from worker.sglang_client import Completion, SGLangClient, split_thinking
+from worker.sglang_client import SGLangClient
+from worker.sglang_wire import Completion, split_thinking
 
 
 @dataclass(frozen=True)
