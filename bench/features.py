@@ -36,6 +36,7 @@ from producer.features_inputs import committed_rows, conversation_ids
 from producer.tokenize import load_tokenizer
 from shared.features_schema import FeaturesMeta
 from simulator.hidden import vectors
+from simulator.local import free_port, wait_http
 from tests.tiny_tokenizer import make_tiny_tokenizer
 from worker.hidden_decode import decode
 from worker.sglang_wire import prefill_body
@@ -120,7 +121,7 @@ def run_pass(cfg_path: Path, out: Path, concurrency: int) -> float:
     t0 = time.perf_counter()
     rep = fp.run()
     elapsed = time.perf_counter() - t0
-    c.stop(worker)
+    c.stop_process(worker)
     if not rep.ok or rep.datasets["H"]["captured"] == 0:
         raise SystemExit(f"features pass failed: {rep}")
     return elapsed
@@ -150,14 +151,14 @@ def main(argv: list[str]) -> int:
     print(c.md_table(["step", "tokens x hidden", "JSON MB", "bfloat16 MB", "MB/s (bfloat16)", "tok/s"], rows))
 
     redis = c.LocalRedis()
-    port = c.free_port()
+    port = free_port()
     sim = subprocess.Popen([*c.CLI, "--log-level", "WARNING", "sim", "--port", str(port),
                             "--enable-return-hidden-states", "--hidden-size", str(args.hidden_size),
                             "--prefill-tok-s", str(args.prefill_tok_s),
                             "--max-running-requests", "64"], cwd=c.ROOT, env=c.ENV)
     url = f"http://127.0.0.1:{port}"
     try:
-        c.wait_http(url + "/health")
+        wait_http(url + "/health")
         out = tmp / "out"
         out.mkdir()
         write_rows(out / "H.jsonl", args.rows, args.answer_words)
@@ -185,7 +186,7 @@ def main(argv: list[str]) -> int:
         print(c.md_table(["pair", "hidden", "samples", "tokens", "direct tok/s", "pass tok/s",
                           "ratio pass / direct"], table))
     finally:
-        c.stop(sim)
+        c.stop_process(sim)
         redis.stop()
     return 0
 
