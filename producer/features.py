@@ -26,6 +26,7 @@ import uuid
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import cast
 
 import redis
@@ -76,6 +77,7 @@ class DatasetPass:
     duplicates: int = 0
     cursor: str = "-"
     consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
+    unmarked: list[str] = field(default_factory=list)  # ids written to disk, not yet in the Redis done set
     last_result: float = 0.0   # monotonic time of the last stream read that got something
 
 
@@ -91,7 +93,8 @@ class Report:
 
 
 class FeaturesPass:
-    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None, follow: bool = False) -> None:
+    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None, follow: bool = False,
+                 owner: str | None = None) -> None:
         if not cfg.server.tokenizer:
             raise ConfigError("budgetq features needs server.tokenizer: the conversation is re-tokenized with the "
                               "model's chat template to find the answer's tokens (the loss mask)")
@@ -100,11 +103,14 @@ class FeaturesPass:
         # follow: rows committed while the pass runs are captured too (run it beside `budgetq produce`);
         # it then ends on SIGINT/SIGTERM only.
         self.follow = follow
+        self._unfollow = threading.Event()  # end_follow(): read the files to their end once more, then finish
         self.tokenizer = load_tokenizer(cfg.server.tokenizer)
         self.guard = DiskGuard(cfg)
         self.stop = threading.Event()
         self.passes: list[DatasetPass] = []
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        # host:pid:nonce. A caller that may build the pass again after a failed start (producer/capture.py,
+        # through a Redis blip) passes a fixed owner, so the locks its first try took are its own.
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         chosen = [cfg.dataset(n) for n in names] if names else cfg.datasets
         self._lock([ds.name for ds in chosen])
         for ds in chosen:
@@ -126,6 +132,9 @@ class FeaturesPass:
                 taken.append(name)
                 continue
             holder = self.conn.get(keys.features_lock_key(name))
+            if text(holder) == self.owner:
+                taken.append(name)
+                continue
             if _dead_here(text(holder)):  # a pass killed on this machine: no need to wait for the TTL
                 log.warning("dataset %s: taking over the features lock of %s (that process is gone)", name,
                             text(holder))
@@ -156,10 +165,24 @@ class FeaturesPass:
         for i in range(0, len(ids), 1000):
             self.conn.sadd(keys.features_done_key(ds), *ids[i:i + 1000])
 
+    def end_follow(self) -> None:
+        """Stop following (thread-safe): every row there will be is on disk (generation is complete), so
+        the pass reads each file to its end once more and then ends as a pass without --follow does."""
+        self._unfollow.set()
+
+    def _stop_following(self) -> None:
+        self.follow = False
+        for p in self.passes:
+            # A fresh read from where the current one will have stopped: it opens the file after
+            # end_follow() was called, so it sees every line committed before that.
+            p.rows = chain(p.rows, p.tail.new_rows())
+
     # -- the loop ------------------------------------------------------------------------
     def run(self, poll_s: float = 0.05) -> Report:
         last_maintain = 0.0
         while not self.stop.is_set():
+            if self.follow and self._unfollow.is_set():
+                self._stop_following()
             progressed = False
             for p in self.passes:
                 # Collect first: results already waiting (a restart, a plain rq worker) are not enqueued again.
@@ -307,17 +330,20 @@ class FeaturesPass:
         return got
 
     def _flush(self, p: DatasetPass) -> None:
-        ids = p.store.flush()
-        if not ids and not p.consumed:
+        # Kept in p.unmarked until Redis has them: a Redis error here (the producer's capture goes on
+        # through outages) marks them at the next flush.
+        p.unmarked += p.store.flush()
+        if not p.unmarked and not p.consumed:
             return
         with self.conn.pipeline() as pipe:
-            if ids:
-                pipe.sadd(keys.features_done_key(p.ds.name), *ids)
+            if p.unmarked:
+                pipe.sadd(keys.features_done_key(p.ds.name), *p.unmarked)
             if p.consumed:
                 pipe.xdel(keys.features_results_key(p.ds.name), *[e for e, _ in p.consumed])
                 pipe.decrby(keys.features_pending_key(p.ds.name), sum(n for _, n in p.consumed))
             pipe.execute()
         p.consumed.clear()
+        p.unmarked.clear()
 
     def _forget_failed(self, p: DatasetPass) -> None:
         name = keys.features_name(p.ds.name)
