@@ -88,6 +88,39 @@ def capture_datasets(cfg: Config) -> list[str]:
     return [ds.name for ds in cfg.datasets if ds.capture == "features"]
 
 
+def features_table(cfg: Config, conn: Any, snap: dict) -> Any:
+    """`budgetq status`'s hidden-states table for the config's capture: features datasets (None without
+    one): samples on disk (the pass's done set) next to the rows generation committed, jobs queued and
+    running, bytes waiting in Redis for the collector."""
+    import redis
+    from rich.table import Table
+
+    names = capture_datasets(cfg)
+    if not names:
+        return None
+    from shared import keys
+
+    pipe = conn.pipeline(transaction=False)
+    for name in names:
+        pipe.scard(keys.features_done_key(name))
+        pipe.llen(keys.rq_queue_key(keys.features_name(name)))
+        pipe.zcard(keys.rq_wip_key(keys.features_name(name)))
+        pipe.get(keys.features_pending_key(name))
+    try:
+        got = pipe.execute()
+    except redis.RedisError:
+        return None  # Redis away: the snapshot's own error line says so (status --watch keeps going)
+    committed = {d["dataset"]: d["counts"]["committed"] for d in snap["datasets"]}
+    t = Table(title="hidden states (capture: features)", title_justify="left")
+    for col in ("dataset", "on disk / committed", "queued", "running", "in Redis"):
+        t.add_column(col, justify="left" if col == "dataset" else "right", no_wrap=True)
+    for i, name in enumerate(names):
+        done, queued, running, pending = got[4 * i: 4 * i + 4]
+        t.add_row(name, f"{done:,} / {committed.get(name, 0):,}", f"{queued:,}", f"{running:,}",
+                  f"{int(pending or 0) / 2**20:.1f} MB")
+    return t
+
+
 async def run_worker_with_features(w: Any, cfg: Config, burst: bool) -> int:
     """``budgetq worker`` with a capture: features dataset: the generation worker ``w`` (worker/runner.py)
     and a features worker (worker/features.py) in one event loop. The generation worker owns the signals;

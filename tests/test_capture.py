@@ -74,6 +74,11 @@ def test_produce_captures_every_row_and_leaves_other_datasets_alone(tmp_path, re
         check = subprocess.run([*PY, "features", "--check", "--dataset", "A", "-c", str(cfg)], cwd=ROOT,
                                capture_output=True, text=True, timeout=120)
         assert check.returncode == 0 and "A: consistent" in check.stdout, check.stdout + check.stderr
+        status = subprocess.run([*PY, "status", "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)
+        assert status.returncode == 0, status.stderr
+        table = status.stdout[status.stdout.index("hidden states (capture: features)"):]
+        assert "30 / 30" in table and "\n│ B " not in table, status.stdout
     finally:
         procs.stop_all()
 
@@ -119,7 +124,73 @@ def test_sigkill_mid_run_then_restart_loses_and_duplicates_nothing(tmp_path, red
         procs.stop_all()
 
 
-def test_capture_needs_a_tokenizer_and_is_documented(tmp_path):
+def test_failed_prefills_and_the_disk_guard_end_the_run_with_a_report(tmp_path, redis_url, conn, sim_factory):
+    """Generation completes; rows without hidden states are reported and the exit status is 1: first a server
+    without --enable-return-hidden-states (every prefill fails with SGLang's 400), then a disk guard limit."""
+    plain = sim_factory("--speedup", "50", "--length-mean", "20")
+    cfg, ids_a, ids_b = capture_config(tmp_path, redis_url, plain, 6, 2)
+    out = tmp_path / "out"
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.worker()
+        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                             text=True, timeout=240)
+        assert res.returncode == 1, res.stdout + res.stderr
+        check_invariants(conn, out, "A", ids_a)
+        assert "budgetq: capture: A: 6 features jobs failed" in res.stderr, res.stderr
+        assert "--enable-return-hidden-states" in res.stderr and "`budgetq features`" in res.stderr
+        assert "hidden states A: 0 samples on disk" in res.stdout, res.stdout
+    finally:
+        procs.stop_all()
+    # the same rows, a server with the flag and a limit of 1500 bytes: some are captured, then admissions stop
+    hidden = sim_factory("--speedup", "50", "--length-mean", "20", "--enable-return-hidden-states",
+                         "--hidden-size", str(HIDDEN))
+    raw = yaml.safe_load(cfg.read_text())
+    raw["server"]["urls"] = [hidden]
+    raw["features"].update({"max_bytes": 1500, "concurrency": 1})
+    cfg.write_text(yaml.safe_dump(raw))
+    conn.delete(f"rq:failed:{keys.features_queue_name('A')}")  # as `budgetq retry-failed` would
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.worker()
+        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                             text=True, timeout=240)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "admissions stopped" in res.stderr and "features.max_bytes 1500" in res.stderr, res.stderr
+        on_disk = index_rows(features_dir(out, "A") / "index.jsonl")
+        assert 0 < len(on_disk) < 6
+        check_samples(out, "A", [r["id"] for r in on_disk])
+    finally:
+        procs.stop_all()
+
+
+def test_sigint_stops_both_and_a_restart_finishes(tmp_path, redis_url, conn, sim_factory):
+    sim = sim_factory("--peak-tok-s", "900", "--length-mean", "20", "--enable-return-hidden-states",
+                      "--hidden-size", str(HIDDEN))
+    cfg, ids_a, _ = capture_config(tmp_path, redis_url, sim, 40, 2, concurrency=4)
+    out = tmp_path / "out"
+    index = features_dir(out, "A") / "index.jsonl"
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.worker()
+        first, log1 = produce(cfg, tmp_path, "produce-1")
+        wait_for(lambda: len(index_rows(index)) >= 3, 120, "the first hidden states on disk")
+        first.send_signal(signal.SIGINT)
+        assert first.wait(30) == 0, (tmp_path / "produce-1.log").read_text()
+        log1.close()  # type: ignore[attr-defined]
+        assert len(rows(out / "A.jsonl")) < 40
+        assert conn.get(keys.features_lock_key("A")) is None, "a stopped produce releases the features lock"
+        assert conn.sismember(keys.FEATURES_DATASETS, "A"), "unfinished: workers keep serving it"
+        second, log2 = produce(cfg, tmp_path, "produce-2")
+        assert second.wait(240) == 0, (tmp_path / "produce-2.log").read_text()
+        log2.close()  # type: ignore[attr-defined]
+        check_samples(out, "A", [r["id"] for r in rows(out / "A.jsonl")])
+        assert sorted(r["id"] for r in rows(out / "A.jsonl")) == sorted(ids_a)
+    finally:
+        procs.stop_all()
+
+
+def test_capture_is_none_by_default_and_needs_a_tokenizer(tmp_path):
     from shared.config import Config
     from shared.errors import ConfigError
 
