@@ -25,7 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from producer.features import LOCK_TTL_S, FeaturesPass, Report
+from producer.features import FeaturesPass, Report
+from producer.features_lock import LOCK_TTL_S
 from shared import keys
 from shared.config import Config
 from shared.redis_conn import connect

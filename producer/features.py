@@ -18,11 +18,8 @@ Restart-safe at any point: run it again and it continues.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,10 +33,11 @@ from rq.serializers import JSONSerializer
 from producer.feature_store import FeatureStore
 from producer.features_guard import DiskGuard
 from producer.features_inputs import FeaturesInputError, RowTail, conversation_ids
+from producer.features_lock import CollectorLock, new_owner
 from producer.tokenize import load_tokenizer
 from shared import jobs, keys
 from shared.config import Config, DatasetConfig
-from shared.errors import BudgetqError, ConfigError
+from shared.errors import ConfigError
 from shared.features_schema import FeaturesMeta, FeaturesPayload
 from shared.identity import job_id
 from shared.redis_conn import text
@@ -51,7 +49,6 @@ JOB_FUNC = "worker.features.run_features_job"
 FAILURE_TTL_S = 7 * 86400
 READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
 MAINTAIN_EVERY_S = 2.0
-LOCK_TTL_S = 30            # refreshed every MAINTAIN_EVERY_S; a killed pass's lock lapses after this
 # --follow: a shard still short of shard_mb is written after this long without new results, so what
 # trickles in reaches the disk (and leaves Redis) in bounded time.
 FOLLOW_FLUSH_IDLE_S = 30.0
@@ -108,11 +105,9 @@ class FeaturesPass:
         self.guard = DiskGuard(cfg)
         self.stop = threading.Event()
         self.passes: list[DatasetPass] = []
-        # host:pid:nonce. A caller that may build the pass again after a failed start (producer/capture.py,
-        # through a Redis blip) passes a fixed owner, so the locks its first try took are its own.
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lock = CollectorLock(conn, owner or new_owner())  # owner: see CollectorLock
         chosen = [cfg.dataset(n) for n in names] if names else cfg.datasets
-        self._lock([ds.name for ds in chosen])
+        self.lock.take([ds.name for ds in chosen])
         for ds in chosen:
             store = FeatureStore(cfg.output_dir, ds.name, cfg.features.shard_bytes)
             self._mark_done(ds.name, sorted(store.ids))
@@ -124,42 +119,8 @@ class FeaturesPass:
                 log.warning("features %s: repaired after a crash: %d unfinished shard writes removed, %d samples "
                             "indexed", ds.name, store.recovered.tmp_removed, store.recovered.reindexed)
 
-    def _lock(self, names: list[str]) -> None:
-        """One collector per dataset: two would both write the same stream entries into shards."""
-        taken: list[str] = []
-        for name in names:
-            if self.conn.set(keys.features_lock_key(name), self.owner, nx=True, ex=LOCK_TTL_S):
-                taken.append(name)
-                continue
-            holder = self.conn.get(keys.features_lock_key(name))
-            if text(holder) == self.owner:
-                taken.append(name)
-                continue
-            if _dead_here(text(holder)):  # a pass killed on this machine: no need to wait for the TTL
-                log.warning("dataset %s: taking over the features lock of %s (that process is gone)", name,
-                            text(holder))
-                self.conn.set(keys.features_lock_key(name), self.owner, ex=LOCK_TTL_S)
-                taken.append(name)
-                continue
-            for t in taken:
-                self.conn.delete(keys.features_lock_key(t))
-            raise BudgetqError(f"dataset {name}: another `budgetq features` is running for it "
-                               f"({text(holder)}); one at a time writes its shards (its lock lapses "
-                               f"{LOCK_TTL_S} s after it stops)")
-
-    def _refresh_locks(self) -> None:
-        for p in self.passes:
-            key = keys.features_lock_key(p.ds.name)
-            if self.conn.get(key) not in (self.owner.encode(), None):
-                raise BudgetqError(f"dataset {p.ds.name}: lost the features lock to {text(self.conn.get(key))}: "
-                                   "stopping before two collectors write the same shards")
-            self.conn.set(key, self.owner, ex=LOCK_TTL_S)
-
     def release(self) -> None:
-        for p in self.passes:
-            key = keys.features_lock_key(p.ds.name)
-            if self.conn.get(key) == self.owner.encode():
-                self.conn.delete(key)
+        self.lock.release()
 
     def _mark_done(self, ds: str, ids: list[str]) -> None:
         for i in range(0, len(ids), 1000):
@@ -193,7 +154,7 @@ class FeaturesPass:
                     self._flush(p)
                 progressed |= self._enqueue(p)
             if time.monotonic() - last_maintain > MAINTAIN_EVERY_S:
-                self._refresh_locks()
+                self.lock.refresh()
                 self._maintain()
                 last_maintain = time.monotonic()
             if all(self._finished(p) for p in self.passes):
@@ -401,18 +362,4 @@ class FeaturesPass:
             lines = (exc or b"").decode(errors="replace").strip().splitlines()
             out.append(f"{jid}: {lines[-1] if lines else 'failed'}")
         return out
-
-
-def _dead_here(holder: str) -> bool:
-    """True if the lock holder ``host:pid:nonce`` ran on this host and that pid no longer exists."""
-    parts = holder.rsplit(":", 2)
-    if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
-        return False
-    try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
