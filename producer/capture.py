@@ -48,9 +48,9 @@ class Capture:
         self.fp: FeaturesPass | None = None
         if not self.names:
             return
-        # Built here, not in the thread, so a second collector or a missing tokenizer stops `produce` at
-        # once with its one-line error. A fixed owner: a start retried through a Redis blip in this
-        # process finds its own locks.
+        # Built here, not in the thread, so a second collector stops `produce` at once with its one-line
+        # error. A fixed owner: a start retried through a Redis blip in this process finds its own locks,
+        # and so does a restarted container whose producer has the same hostname and pid.
         owner = f"{socket.gethostname()}:{os.getpid()}:produce"
         self.fp = FeaturesPass(cfg, connect(cfg.redis_url), self.names, follow=True, owner=owner)
         log.info("capture: hidden states of %s are captured as rows commit (features jobs on %s)",
@@ -86,7 +86,10 @@ class Capture:
         return False
 
     def close(self) -> None:
-        if self.fp is None or self._thread is None:
+        if self.fp is None:
+            return
+        if self._thread is None:  # stopped before the first tick: only the locks to give back
+            self.fp.release()
             return
         self.fp.stop.set()
         self._thread.join(CLOSE_WAIT_S)

@@ -51,9 +51,9 @@ class CollectorLock:
                 continue
             for t in taken:
                 self.conn.delete(keys.features_lock_key(t))
-            raise BudgetqError(f"dataset {name}: another `budgetq features` is running for it "
-                               f"({holder}); one at a time writes its shards (its lock lapses "
-                               f"{LOCK_TTL_S} s after it stops)")
+            raise BudgetqError(f"dataset {name}: another `budgetq features` is running for it, or a `budgetq "
+                               f"produce` with capture: features ({holder}); one at a time writes its shards "
+                               f"(its lock lapses {LOCK_TTL_S} s after it stops)")
         self.names = taken
 
     def refresh(self) -> None:

@@ -214,3 +214,23 @@ def test_worker_serves_features_jobs_only_with_a_capture_dataset(tmp_path):
         {"name": "B", "path": "b.jsonl", "budget": "1k"}]})
     assert capture_datasets(cfg) == ["A"]
     assert build_parser().parse_args(["worker", "--no-features"]).no_features
+
+
+def test_a_second_collector_stops_produce_at_start_with_one_line(tmp_path, redis_url, conn):
+    """`budgetq features --follow` already collects A: a produce with capture: features for A refuses to
+    start (two collectors would write the same results), in one line, before enqueueing anything."""
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+
+    cfg, _, _ = capture_config(tmp_path, redis_url, "http://127.0.0.1:9", 3, 1)
+    other = FeaturesPass(load_config(cfg), conn, ["A"], follow=True)
+    try:
+        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        other.release()
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if "budgetq" in ln and "PyTorch" not in ln]
+    assert len(lines) == 1 and "dataset A: another `budgetq features` is running" in lines[0], res.stderr
+    assert "capture: features" in lines[0]
+    assert conn.llen(keys.rq_queue_key("A")) == 0 and conn.llen(keys.rq_queue_key("B")) == 0
