@@ -13,6 +13,7 @@ from typing import Any
 
 from budgetq.cli_common import load, open_redis, positive_int, with_config
 from shared.config import Config
+from shared.retry import REDIS_DOWN
 
 log = logging.getLogger("budgetq.features")
 # After the generation worker has stopped, how long the features loop beside it may take to requeue what
@@ -128,7 +129,22 @@ async def run_worker_with_features(w: Any, cfg: Config, burst: bool) -> int:
     from worker.features import FeaturesWorker
 
     fw = FeaturesWorker(cfg, burst=burst)
-    features = asyncio.create_task(fw.run(handle_signals=False))
+
+    async def features_loop() -> int:
+        # Redis may not answer yet (the generation worker waits redis_wait_s for it): the features loop waits too.
+        waiting = False
+        while True:
+            try:
+                return await fw.run(handle_signals=False)
+            except REDIS_DOWN as exc:
+                if fw.stopping.is_set() or w.stopping.is_set():
+                    return 0
+                if not waiting:
+                    log.warning("features loop: redis unreachable (%s); retrying", exc)
+                    waiting = True
+                await asyncio.sleep(1.0)
+
+    features = asyncio.create_task(features_loop())
     features.add_done_callback(_report_crash)
 
     async def forward_stop() -> None:
