@@ -75,6 +75,7 @@ class DatasetPass:
     cursor: str = "-"
     consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
     unmarked: list[str] = field(default_factory=list)  # ids written to disk, not yet in the Redis done set
+    relost: set[str] = field(default_factory=set)  # ids whose job Redis lost, enqueued again (_requeue_lost)
     last_result: float = 0.0   # monotonic time of the last stream read that got something
 
 
@@ -177,7 +178,24 @@ class FeaturesPass:
         pipe.zcard(keys.rq_wip_key(name))
         pipe.xrange(keys.features_results_key(p.ds.name), min=f"({p.cursor}" if p.cursor != "-" else "-", count=1)
         queued, started, unread = pipe.execute()
-        return queued == 0 and started == 0 and not unread
+        return queued == 0 and started == 0 and not unread and not self._requeue_lost(p)
+
+    def _requeue_lost(self, p: DatasetPass) -> bool:
+        """Jobs this pass enqueued that neither came back nor failed while none is queued or running:
+        Redis lost them (a crash past its last AOF fsync). Their rows are read again and enqueued anew,
+        once; what is still missing after that is reported as failed."""
+        self._forget_failed(p)
+        lost = set(p.outstanding) - p.relost
+        if not lost:
+            return False
+        log.warning("features %s: %d jobs are gone from Redis (restarted without them?); enqueueing their rows "
+                    "again", p.ds.name, len(lost))
+        for pid in lost:
+            p.outstanding.pop(pid, None)
+        p.relost |= lost
+        p.rows = chain(p.rows, (r for r in RowTail(p.tail.path).new_rows() if r.id in lost))
+        p.rows_done = False
+        return True
 
     # -- enqueue -------------------------------------------------------------------------
     def _next_payload(self, p: DatasetPass) -> FeaturesPayload | None:
@@ -361,5 +379,6 @@ class FeaturesPass:
                 pass
             lines = (exc or b"").decode(errors="replace").strip().splitlines()
             out.append(f"{jid}: {lines[-1] if lines else 'failed'}")
+        out += [f"{job_id(name, pid)}: lost by Redis, not captured" for pid in sorted(p.relost - p.store.ids)]
         return out
 

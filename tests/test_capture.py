@@ -234,3 +234,70 @@ def test_a_second_collector_stops_produce_at_start_with_one_line(tmp_path, redis
     assert len(lines) == 1 and "dataset A: another `budgetq features` is running" in lines[0], res.stderr
     assert "capture: features" in lines[0]
     assert conn.llen(keys.rq_queue_key("A")) == 0 and conn.llen(keys.rq_queue_key("B")) == 0
+
+
+def test_redis_crash_mid_run_capture_still_ends_complete(tmp_path, sim_factory):
+    """Redis SIGKILLed (AOF, fsync every second) with generation and capture under way, restarted 4 s
+    later: the producer's capture thread and the worker's features loop wait it out, and produce ends
+    with every row generated once and captured once."""
+    import time
+
+    import redis
+
+    from simulator.local import LocalRedis
+
+    server = LocalRedis(appendonly=True)
+    conn = redis.Redis.from_url(server.url)
+    try:
+        sim = sim_factory("--peak-tok-s", "900", "--length-mean", "20", "--enable-return-hidden-states",
+                          "--hidden-size", str(HIDDEN))
+        cfg, ids_a, ids_b = capture_config(tmp_path, server.url, sim, 40, 4, concurrency=4)
+        out = tmp_path / "out"
+        index = features_dir(out, "A") / "index.jsonl"
+        procs = Procs(cfg, tmp_path)
+        try:
+            worker = procs.worker()
+            producer = procs.producer()
+            wait_for(lambda: len(index_rows(index)) >= 3, 120, "the first hidden states on disk")
+            server.kill()
+            time.sleep(4.0)  # an outage longer than the 2 s leases
+            server.start()
+            assert producer.wait(240) == 0, Procs.log(producer)
+            assert worker.poll() is None, "the worker died with Redis"
+        finally:
+            procs.stop_all()
+        assert "redis unreachable" in Procs.log(producer)
+        check_invariants(conn, out, "A", ids_a)
+        committed = [r["id"] for r in rows(out / "A.jsonl")]
+        assert sorted(committed) == sorted(ids_a)
+        check_samples(out, "A", committed)
+    finally:
+        server.stop()
+
+
+def test_jobs_redis_lost_are_enqueued_again(tmp_path, redis_url, conn, sim_factory):
+    """Features jobs enqueued, then gone from Redis (a crash past its last AOF fsync): the pass notices once
+    nothing is queued or running, reads those rows again and enqueues them anew, and ends complete."""
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+    from shared.identity import job_id
+    from tests.test_features import features_config, write_rows
+
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg = features_config(tmp_path, redis_url, sim)
+    ids = write_rows(tmp_path / "out", "A", 6)
+    fp = FeaturesPass(load_config(cfg), conn)
+    fp._enqueue(fp.passes[0])
+    name = keys.features_name("A")
+    assert conn.llen(keys.rq_queue_key(name)) == 6
+    conn.delete(keys.rq_queue_key(name), *[keys.rq_job_key(job_id(name, i)) for i in ids[:4]])  # lost
+    conn.rpush(keys.rq_queue_key(name), *[job_id(name, i) for i in ids[4:]])
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.start("features-worker")
+        rep = fp.run()
+    finally:
+        procs.stop_all()
+    assert rep.ok, rep
+    assert rep.datasets["A"]["captured"] == 6 and rep.datasets["A"]["enqueued"] == 10
+    check_samples(tmp_path / "out", "A", ids)
