@@ -126,7 +126,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     signal.setitimer(signal.ITIMER_REAL, 0)
     print_summary(rows)
     _warn_no_rows(cfg, rows, warned)
-    return 0
+    return cli_features.print_capture(producer.capture, finished=not state["stop"])
 
 
 def _start_producer(cfg: Config, factory, stopped):
@@ -164,7 +164,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     concurrency = args.concurrency if args.concurrency is not None else cfg.worker.concurrency
     # auto: sized from the servers, re-read every capacity_interval_s (worker/capacity.py)
     w = ConcurrentWorker(cfg, concurrency, burst=args.burst, grace_s=grace)
-    rc = asyncio.run(w.run())
+    if cli_features.capture_datasets(cfg) and not args.no_features:
+        # a dataset with capture: features: this process serves its features jobs too (cli_features.py)
+        rc = asyncio.run(cli_features.run_worker_with_features(w, cfg, args.burst))
+    else:
+        rc = asyncio.run(w.run())
     if w.abandoned:
         # Threads still blocked on a Redis that does not answer would hold the exit until their
         # socket timeout; the jobs they held come back through their leases (docs/resilience.md).
@@ -254,6 +258,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                     help="requests in flight, or auto: sized from the servers (overrides worker.concurrency)")
     sp.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     sp.add_argument("--grace-s", type=seconds(0), help="overrides worker.grace_s")
+    sp.add_argument("--no-features", action="store_true",
+                    help="do not serve features jobs (served by default when a dataset has capture: features)")
     sp.set_defaults(func=cmd_worker)
     bp = sub.add_parser("budget", help="change a budget live").add_subparsers(dest="bcmd", required=True)
     sp = with_config(bp.add_parser("set", help="set a dataset's budget (effective on the next admission)"))

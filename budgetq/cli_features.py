@@ -6,10 +6,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
+from typing import Any
 
 from budgetq.cli_common import load, open_redis, positive_int, with_config
+from shared.config import Config
+from shared.retry import REDIS_DOWN
+
+log = logging.getLogger("budgetq.features")
+# After the generation worker has stopped, how long the features loop beside it may take to requeue what
+# it holds and deregister (its jobs' leases bring them back anyway).
+FEATURES_STOP_S = 15.0
 
 
 def cmd_features(args: argparse.Namespace) -> int:
@@ -55,6 +64,111 @@ def cmd_features_worker(args: argparse.Namespace) -> int:
 
     cfg = load(args)
     return asyncio.run(FeaturesWorker(cfg, args.concurrency, burst=args.burst).run())
+
+
+def print_capture(capture: Any, finished: bool) -> int:
+    """`budgetq produce`'s hidden-states lines for capture: features datasets (producer/capture.py); the exit
+    status: 1 when a run that finished left rows without hidden states (failed jobs, the disk guard, an error)."""
+    if not capture.active:
+        return 0
+    for name, d in capture.summary().items():
+        print(f"hidden states {name}: {d['samples_on_disk']} samples on disk ({d['captured']} captured this run, "
+              f"{d['failed']} failed, {d['invalid']} invalid), {d['bytes_on_disk'] / 2**20:.1f} MB")
+    problems = capture.problems
+    for msg in problems:
+        print(f"budgetq: capture: {msg}", file=sys.stderr)
+    if problems and finished:
+        print("budgetq: capture: generation is complete, some rows have no hidden states: `budgetq features` "
+              "captures them once the cause is fixed (`budgetq features --check` lists what is on disk)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def capture_datasets(cfg: Config) -> list[str]:
+    return [ds.name for ds in cfg.datasets if ds.capture == "features"]
+
+
+def features_table(cfg: Config, conn: Any, snap: dict) -> Any:
+    """`budgetq status`'s hidden-states table for the config's capture: features datasets (None without
+    one): samples on disk (the pass's done set) next to the rows generation committed, jobs queued and
+    running, bytes waiting in Redis for the collector."""
+    import redis
+    from rich.table import Table
+
+    names = capture_datasets(cfg)
+    if not names:
+        return None
+    from shared import keys
+
+    pipe = conn.pipeline(transaction=False)
+    for name in names:
+        pipe.scard(keys.features_done_key(name))
+        pipe.llen(keys.rq_queue_key(keys.features_name(name)))
+        pipe.zcard(keys.rq_wip_key(keys.features_name(name)))
+        pipe.get(keys.features_pending_key(name))
+    try:
+        got = pipe.execute()
+    except redis.RedisError:
+        return None  # Redis away: the snapshot's own error line says so (status --watch keeps going)
+    committed = {d["dataset"]: d["counts"]["committed"] for d in snap["datasets"]}
+    t = Table(title="hidden states (capture: features)", title_justify="left")
+    for col in ("dataset", "on disk / committed", "queued", "running", "in Redis"):
+        t.add_column(col, justify="left" if col == "dataset" else "right", no_wrap=True)
+    for i, name in enumerate(names):
+        done, queued, running, pending = got[4 * i: 4 * i + 4]
+        t.add_row(name, f"{done:,} / {committed.get(name, 0):,}", f"{queued:,}", f"{running:,}",
+                  f"{int(pending or 0) / 2**20:.1f} MB")
+    return t
+
+
+async def run_worker_with_features(w: Any, cfg: Config, burst: bool) -> int:
+    """``budgetq worker`` with a capture: features dataset: the generation worker ``w`` (worker/runner.py)
+    and a features worker (worker/features.py) in one event loop. The generation worker owns the signals;
+    its stop stops the features loop too. With --burst each ends when its own queues are empty."""
+    from worker.features import FeaturesWorker
+
+    fw = FeaturesWorker(cfg, burst=burst)
+
+    async def features_loop() -> int:
+        # Redis may not answer yet (the generation worker waits redis_wait_s for it): the features loop waits too.
+        waiting = False
+        while True:
+            try:
+                return await fw.run(handle_signals=False)
+            except REDIS_DOWN as exc:
+                if fw.stopping.is_set() or w.stopping.is_set():
+                    return 0
+                if not waiting:
+                    log.warning("features loop: redis unreachable (%s); retrying", exc)
+                    waiting = True
+                await asyncio.sleep(1.0)
+
+    features = asyncio.create_task(features_loop())
+    features.add_done_callback(_report_crash)
+
+    async def forward_stop() -> None:
+        await w.stopping.wait()
+        fw.request_stop("the worker is stopping")
+
+    forward = asyncio.create_task(forward_stop())
+    try:
+        rc = await w.run()
+    finally:
+        if not burst or w.stopping.is_set():
+            fw.request_stop("the worker stopped")
+        done, _ = await asyncio.wait({features}, timeout=None if burst and not w.stopping.is_set()
+                                     else FEATURES_STOP_S)
+        forward.cancel()
+    frc = features.result() if features in done and not features.cancelled() and not features.exception() else 1
+    return rc or frc
+
+
+def _report_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the features loop of this worker stopped: %s: %s (generation goes on; run `budgetq "
+                  "features-worker` to serve capture: features datasets)", type(task.exception()).__name__,
+                  task.exception())
 
 
 def register(sub: argparse._SubParsersAction) -> None:

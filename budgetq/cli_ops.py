@@ -29,24 +29,29 @@ def _snapshot(cfg: Config, conn, history_s: int = 60) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from rich.console import Console, Group, RenderableType
 
+    from budgetq.cli_features import features_table
     from budgetq.status_view import render
     from shared.redis_conn import connect
 
     cfg = load(args)
+    conn = open_redis(cfg, "status") if not args.watch else connect(cfg.redis_url)  # --watch keeps retrying
+
+    def view(snap: dict) -> RenderableType:  # + hidden states of capture: features datasets (cli_features.py)
+        table = features_table(cfg, conn, snap)
+        return render(snap) if table is None else Group(render(snap), table)
+
     if not args.watch:
-        conn = open_redis(cfg, "status")
         snap = _snapshot(cfg, conn, args.history_s)
         if args.json:
             print(json.dumps(snap, indent=2))
         else:
-            Console(width=None if sys.stdout.isatty() else 160).print(render(snap))
+            Console(width=None if sys.stdout.isatty() else 160).print(view(snap))
         return 0
-    conn = connect(cfg.redis_url)  # --watch keeps retrying, from the first frame on
     if args.json:
         return _watch_json(cfg, conn, args.interval, args.history_s)
-    return _watch(cfg, conn, args.interval, render, Console())
+    return _watch(cfg, conn, args.interval, view, Console())
 
 
 def _watch_json(cfg: Config, conn, interval: float, history_s: int) -> int:

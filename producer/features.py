@@ -18,14 +18,12 @@ Restart-safe at any point: run it again and it continues.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import cast
 
 import redis
@@ -35,10 +33,11 @@ from rq.serializers import JSONSerializer
 from producer.feature_store import FeatureStore
 from producer.features_guard import DiskGuard
 from producer.features_inputs import FeaturesInputError, RowTail, conversation_ids
+from producer.features_lock import CollectorLock, new_owner
 from producer.tokenize import load_tokenizer
 from shared import jobs, keys
 from shared.config import Config, DatasetConfig
-from shared.errors import BudgetqError, ConfigError
+from shared.errors import ConfigError
 from shared.features_schema import FeaturesMeta, FeaturesPayload
 from shared.identity import job_id
 from shared.redis_conn import text
@@ -50,7 +49,6 @@ JOB_FUNC = "worker.features.run_features_job"
 FAILURE_TTL_S = 7 * 86400
 READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
 MAINTAIN_EVERY_S = 2.0
-LOCK_TTL_S = 30            # refreshed every MAINTAIN_EVERY_S; a killed pass's lock lapses after this
 # --follow: a shard still short of shard_mb is written after this long without new results, so what
 # trickles in reaches the disk (and leaves Redis) in bounded time.
 FOLLOW_FLUSH_IDLE_S = 30.0
@@ -76,6 +74,8 @@ class DatasetPass:
     duplicates: int = 0
     cursor: str = "-"
     consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
+    unmarked: list[str] = field(default_factory=list)  # ids written to disk, not yet in the Redis done set
+    relost: set[str] = field(default_factory=set)  # ids whose job Redis lost, enqueued again (_requeue_lost)
     last_result: float = 0.0   # monotonic time of the last stream read that got something
 
 
@@ -91,7 +91,8 @@ class Report:
 
 
 class FeaturesPass:
-    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None, follow: bool = False) -> None:
+    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None, follow: bool = False,
+                 owner: str | None = None) -> None:
         if not cfg.server.tokenizer:
             raise ConfigError("budgetq features needs server.tokenizer: the conversation is re-tokenized with the "
                               "model's chat template to find the answer's tokens (the loss mask)")
@@ -100,13 +101,14 @@ class FeaturesPass:
         # follow: rows committed while the pass runs are captured too (run it beside `budgetq produce`);
         # it then ends on SIGINT/SIGTERM only.
         self.follow = follow
+        self._unfollow = threading.Event()  # end_follow(): read the files to their end once more, then finish
         self.tokenizer = load_tokenizer(cfg.server.tokenizer)
         self.guard = DiskGuard(cfg)
         self.stop = threading.Event()
         self.passes: list[DatasetPass] = []
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lock = CollectorLock(conn, owner or new_owner())  # owner: see CollectorLock
         chosen = [cfg.dataset(n) for n in names] if names else cfg.datasets
-        self._lock([ds.name for ds in chosen])
+        self.lock.take([ds.name for ds in chosen])
         for ds in chosen:
             store = FeatureStore(cfg.output_dir, ds.name, cfg.features.shard_bytes)
             self._mark_done(ds.name, sorted(store.ids))
@@ -118,48 +120,31 @@ class FeaturesPass:
                 log.warning("features %s: repaired after a crash: %d unfinished shard writes removed, %d samples "
                             "indexed", ds.name, store.recovered.tmp_removed, store.recovered.reindexed)
 
-    def _lock(self, names: list[str]) -> None:
-        """One collector per dataset: two would both write the same stream entries into shards."""
-        taken: list[str] = []
-        for name in names:
-            if self.conn.set(keys.features_lock_key(name), self.owner, nx=True, ex=LOCK_TTL_S):
-                taken.append(name)
-                continue
-            holder = self.conn.get(keys.features_lock_key(name))
-            if _dead_here(text(holder)):  # a pass killed on this machine: no need to wait for the TTL
-                log.warning("dataset %s: taking over the features lock of %s (that process is gone)", name,
-                            text(holder))
-                self.conn.set(keys.features_lock_key(name), self.owner, ex=LOCK_TTL_S)
-                taken.append(name)
-                continue
-            for t in taken:
-                self.conn.delete(keys.features_lock_key(t))
-            raise BudgetqError(f"dataset {name}: another `budgetq features` is running for it "
-                               f"({text(holder)}); one at a time writes its shards (its lock lapses "
-                               f"{LOCK_TTL_S} s after it stops)")
-
-    def _refresh_locks(self) -> None:
-        for p in self.passes:
-            key = keys.features_lock_key(p.ds.name)
-            if self.conn.get(key) not in (self.owner.encode(), None):
-                raise BudgetqError(f"dataset {p.ds.name}: lost the features lock to {text(self.conn.get(key))}: "
-                                   "stopping before two collectors write the same shards")
-            self.conn.set(key, self.owner, ex=LOCK_TTL_S)
-
     def release(self) -> None:
-        for p in self.passes:
-            key = keys.features_lock_key(p.ds.name)
-            if self.conn.get(key) == self.owner.encode():
-                self.conn.delete(key)
+        self.lock.release()
 
     def _mark_done(self, ds: str, ids: list[str]) -> None:
         for i in range(0, len(ids), 1000):
             self.conn.sadd(keys.features_done_key(ds), *ids[i:i + 1000])
 
+    def end_follow(self) -> None:
+        """Stop following (thread-safe): every row there will be is on disk (generation is complete), so
+        the pass reads each file to its end once more and then ends as a pass without --follow does."""
+        self._unfollow.set()
+
+    def _stop_following(self) -> None:
+        self.follow = False
+        for p in self.passes:
+            # A fresh read from where the current one will have stopped: it opens the file after
+            # end_follow() was called, so it sees every line committed before that.
+            p.rows = chain(p.rows, p.tail.new_rows())
+
     # -- the loop ------------------------------------------------------------------------
     def run(self, poll_s: float = 0.05) -> Report:
         last_maintain = 0.0
         while not self.stop.is_set():
+            if self.follow and self._unfollow.is_set():
+                self._stop_following()
             progressed = False
             for p in self.passes:
                 # Collect first: results already waiting (a restart, a plain rq worker) are not enqueued again.
@@ -170,7 +155,7 @@ class FeaturesPass:
                     self._flush(p)
                 progressed |= self._enqueue(p)
             if time.monotonic() - last_maintain > MAINTAIN_EVERY_S:
-                self._refresh_locks()
+                self.lock.refresh()
                 self._maintain()
                 last_maintain = time.monotonic()
             if all(self._finished(p) for p in self.passes):
@@ -193,7 +178,24 @@ class FeaturesPass:
         pipe.zcard(keys.rq_wip_key(name))
         pipe.xrange(keys.features_results_key(p.ds.name), min=f"({p.cursor}" if p.cursor != "-" else "-", count=1)
         queued, started, unread = pipe.execute()
-        return queued == 0 and started == 0 and not unread
+        return queued == 0 and started == 0 and not unread and not self._requeue_lost(p)
+
+    def _requeue_lost(self, p: DatasetPass) -> bool:
+        """Jobs this pass enqueued that neither came back nor failed while none is queued or running:
+        Redis lost them (a crash past its last AOF fsync). Their rows are read again and enqueued anew,
+        once; what is still missing after that is reported as failed."""
+        self._forget_failed(p)
+        lost = set(p.outstanding) - p.relost
+        if not lost:
+            return False
+        log.warning("features %s: %d jobs are gone from Redis (restarted without them?); enqueueing their rows "
+                    "again", p.ds.name, len(lost))
+        for pid in lost:
+            p.outstanding.pop(pid, None)
+        p.relost |= lost
+        p.rows = chain(p.rows, (r for r in RowTail(p.tail.path).new_rows() if r.id in lost))
+        p.rows_done = False
+        return True
 
     # -- enqueue -------------------------------------------------------------------------
     def _next_payload(self, p: DatasetPass) -> FeaturesPayload | None:
@@ -307,17 +309,20 @@ class FeaturesPass:
         return got
 
     def _flush(self, p: DatasetPass) -> None:
-        ids = p.store.flush()
-        if not ids and not p.consumed:
+        # Kept in p.unmarked until Redis has them: a Redis error here (the producer's capture goes on
+        # through outages) marks them at the next flush.
+        p.unmarked += p.store.flush()
+        if not p.unmarked and not p.consumed:
             return
         with self.conn.pipeline() as pipe:
-            if ids:
-                pipe.sadd(keys.features_done_key(p.ds.name), *ids)
+            if p.unmarked:
+                pipe.sadd(keys.features_done_key(p.ds.name), *p.unmarked)
             if p.consumed:
                 pipe.xdel(keys.features_results_key(p.ds.name), *[e for e, _ in p.consumed])
                 pipe.decrby(keys.features_pending_key(p.ds.name), sum(n for _, n in p.consumed))
             pipe.execute()
         p.consumed.clear()
+        p.unmarked.clear()
 
     def _forget_failed(self, p: DatasetPass) -> None:
         name = keys.features_name(p.ds.name)
@@ -374,19 +379,6 @@ class FeaturesPass:
                 pass
             lines = (exc or b"").decode(errors="replace").strip().splitlines()
             out.append(f"{jid}: {lines[-1] if lines else 'failed'}")
+        out += [f"{job_id(name, pid)}: lost by Redis, not captured" for pid in sorted(p.relost - p.store.ids)]
         return out
-
-
-def _dead_here(holder: str) -> bool:
-    """True if the lock holder ``host:pid:nonce`` ran on this host and that pid no longer exists."""
-    parts = holder.rsplit(":", 2)
-    if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
-        return False
-    try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 

@@ -124,6 +124,9 @@ class DatasetConfig(_Strict):
     # are still running (and aborted) when the budget is crossed. 0 = today's plain taper;
     # higher = less waste, a slower last few percent (docs/budget.md has the measured trade).
     end_margin_z: float = Field(default=1.0, ge=0, le=10)
+    # features: `budgetq produce` also captures each committed row's hidden states (the features
+    # pass, docs/hidden_states.md) and ends only once every row has them; none: it does not.
+    capture: Literal["none", "features"] = "none"
 
     @model_validator(mode="before")
     @classmethod
@@ -299,6 +302,15 @@ class Config(_Strict):
             if ds.name in seen:
                 raise ValueError(f"datasets: name {ds.name!r} appears twice")
             seen.add(ds.name)
+        return self
+
+    @model_validator(mode="after")
+    def _capture_has_a_tokenizer(self) -> Config:
+        """capture: features re-tokenizes each row with the chat template to find the answer's tokens."""
+        for ds in self.datasets:
+            if ds.capture == "features" and not self.server.tokenizer:
+                raise ValueError(f"dataset {ds.name}: capture: features needs server.tokenizer (the rows are "
+                                 "re-tokenized with the model's chat template to find the answer's tokens)")
         return self
 
     @model_validator(mode="after")

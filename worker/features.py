@@ -258,9 +258,14 @@ class FeaturesWorker:
         self.stopping.set()
         self.wake.set()
 
-    async def run(self) -> int:
+    def request_stop(self, why: str) -> None:
+        """Stop as on a signal (requeue what is held): for a loop beside `budgetq worker`'s, which owns signals."""
+        if not self.stopping.is_set():
+            self._on_signal(why)
+
+    async def run(self, handle_signals: bool = True) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
             loop.add_signal_handler(sig, self._on_signal, sig.name)
         self.aconn = aconnect(self.cfg.redis_url, max_connections=16)
         self.rq_worker = await asyncio.to_thread(rq_adapter.register_worker, self.conn, self.name)
