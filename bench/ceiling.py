@@ -36,6 +36,7 @@ DS = "C1"
 REDIS_GOAL = 20_000.0
 COLLECTOR_GOAL = 10_000.0
 ROW_BYTES = 4096
+TOP = 24  # commands shown in the commandstats table
 
 
 @dataclass
@@ -86,7 +87,7 @@ def redis_run(stack: c.Stack, sim: c.Sim, n: int, workers: int, per_worker: int)
         raise RuntimeError(f"{workers} workers: {committed} of {n} prompts committed")
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     names = [k.split(":", 1)[1] for k in d if k.startswith("usec:")]
-    top = sorted(((m, d[f"calls:{m}"] / n, d[f"usec:{m}"] / n) for m in names), key=lambda t: -t[2])[:8]
+    top = sorted(((m, d[f"calls:{m}"] / n, d[f"usec:{m}"] / n) for m in names), key=lambda t: -t[2])[:TOP]
     return RedisRun(workers, n, seconds, 1e6 * d["cpu_s"] / n, top, d["commands"] / n,
                     d["reads"] / n, d["in"] / n, d["out"] / n)
 
@@ -142,6 +143,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts (< 1 min)")
     ap.add_argument("--smoke", action="store_true", help="tiny, for the test suite")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts to run (1 2 4)")
     args = ap.parse_args(argv)
     n, rows = (20_000, 50_000)
     if args.quick:
@@ -153,9 +155,10 @@ def main(argv: list[str]) -> None:
     stack = c.Stack.start()
     try:
         runs = []
-        for workers in (1, 2, 4):
+        for workers in args.workers:
             runs.append(redis_run(stack, sim, n, workers, 128))
-            print(f"  {workers} workers: {runs[-1].cpu_us:.1f} redis CPU us/prompt", flush=True)
+            r = runs[-1]
+            print(f"  {workers} workers: {r.cpu_us:.1f} redis CPU us/prompt, {r.commands:.1f} commands/prompt", flush=True)
         col = collector_run(stack, rows)
         print(f"  collector: {col.rows / col.wall_s:,.0f} rows/s", flush=True)
     finally:

@@ -46,8 +46,9 @@ end
 local mode = conf[2] or 'soft'
 local extra = 0
 if conf[5] == 'total' then extra = prompt_tokens end
-local used = tonumber(redis.call('GET', KEYS[2]) or '0')
-local reserved = tonumber(redis.call('GET', KEYS[4]) or '0')
+local counters = redis.call('MGET', KEYS[2], KEYS[4])  -- one command: used, reserved
+local used = tonumber(counters[1] or '0')
+local reserved = tonumber(counters[2] or '0')
 local est
 local margin = 0
 if mode == 'drain' then
