@@ -158,7 +158,8 @@ def main(argv: list[str]) -> None:
         for workers in args.workers:
             runs.append(redis_run(stack, sim, n, workers, 128))
             r = runs[-1]
-            print(f"  {workers} workers: {r.cpu_us:.1f} redis CPU us/prompt, {r.commands:.1f} commands/prompt", flush=True)
+            print(f"  {workers} workers: {r.cpu_us:.1f} redis CPU us/prompt, {r.commands:.1f} commands/prompt",
+                  flush=True)
         col = collector_run(stack, rows)
         print(f"  collector: {col.rows / col.wall_s:,.0f} rows/s", flush=True)
     finally:

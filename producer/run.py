@@ -247,7 +247,7 @@ class Producer:
         canceled = jobs.registry(CanceledJobRegistry, f.ds.name, self.conn).key
         with self.conn.pipeline() as pipe:
             pipe.zrem(canceled, *[jid for jid, _ in items])  # skipped before, enqueued again now
-            f.queue.enqueue_many([d for _, d in items], pipeline=pipe)
+            jobs.enqueue_many(f.queue, [d for _, d in items], pipe)
             pipe.execute()
         f.enqueued += len(items)
 
