@@ -45,6 +45,7 @@ class RedisRun:
     prompts: int
     seconds: float
     cpu_us: float        # per prompt, INFO cpu
+    sys_us: float        # the part of it in the kernel (used_cpu_sys: socket reads and writes)
     top: list[tuple[str, float, float]]   # (command, calls/prompt, usec/prompt), by usec
     commands: float      # per prompt
     reads: float         # per prompt: socket reads, ~ round trips
@@ -60,7 +61,7 @@ def redis_counters(conn) -> dict[str, float]:
     cpu = conn.info("cpu")
     stats = conn.info("stats")
     cmd = conn.info("commandstats")
-    return {"cpu_s": float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+    return {"cpu_s": float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), "sys_s": float(cpu["used_cpu_sys"]),
             **{f"usec:{k.removeprefix('cmdstat_')}": float(v["usec"]) for k, v in cmd.items()},
             **{f"calls:{k.removeprefix('cmdstat_')}": float(v["calls"]) for k, v in cmd.items()},
             # Commands run by a script or inside MULTI count here as well as in EVALSHA/EXEC.
@@ -88,7 +89,7 @@ def redis_run(stack: c.Stack, sim: c.Sim, n: int, workers: int, per_worker: int)
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     names = [k.split(":", 1)[1] for k in d if k.startswith("usec:")]
     top = sorted(((m, d[f"calls:{m}"] / n, d[f"usec:{m}"] / n) for m in names), key=lambda t: -t[2])[:TOP]
-    return RedisRun(workers, n, seconds, 1e6 * d["cpu_s"] / n, top, d["commands"] / n,
+    return RedisRun(workers, n, seconds, 1e6 * d["cpu_s"] / n, 1e6 * d["sys_s"] / n, top, d["commands"] / n,
                     d["reads"] / n, d["in"] / n, d["out"] / n)
 
 
@@ -158,7 +159,8 @@ def main(argv: list[str]) -> None:
         for workers in args.workers:
             runs.append(redis_run(stack, sim, n, workers, 128))
             r = runs[-1]
-            print(f"  {workers} workers: {r.cpu_us:.1f} redis CPU us/prompt, {r.commands:.1f} commands/prompt",
+            print(f"  {workers} workers: {r.cpu_us:.1f} redis CPU us/prompt ({r.sys_us:.1f} sys), "
+                  f"{r.commands:.1f} commands/prompt",
                   flush=True)
         col = collector_run(stack, rows)
         print(f"  collector: {col.rows / col.wall_s:,.0f} rows/s", flush=True)
@@ -166,10 +168,10 @@ def main(argv: list[str]) -> None:
         stack.close()
         sim.close()
     print(c.md_table(
-        ["workers", "prompts", "wall s", "redis CPU us/prompt", "commands/prompt",
+        ["workers", "prompts", "wall s", "redis CPU us/prompt", "of which sys", "commands/prompt",
          "round trips/prompt (socket reads)", "bytes in/prompt", "bytes out/prompt",
          "projected prompts/s of one Redis core", "ratio to 20,000/s goal"],
-        [[r.workers, r.prompts, r.seconds, r.cpu_us, r.commands, r.reads, r.bytes_in, r.bytes_out,
+        [[r.workers, r.prompts, r.seconds, r.cpu_us, r.sys_us, r.commands, r.reads, r.bytes_in, r.bytes_out,
           r.projected, r.projected / REDIS_GOAL] for r in runs]))
     print()
     print(f"Where Redis spends it ({runs[-1].workers} workers; INFO commandstats usec is wall time, and a script's or "

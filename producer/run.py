@@ -103,7 +103,7 @@ class Producer:
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
         for ds in cfg.datasets:
             register_dataset(self.conn, ds)
-            q = Queue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
+            q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
             legacy = id_scheme(self.conn, ds.name) == SCHEME_MIGRATED
             if legacy:
                 log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "
@@ -247,7 +247,7 @@ class Producer:
         canceled = jobs.registry(CanceledJobRegistry, f.ds.name, self.conn).key
         with self.conn.pipeline() as pipe:
             pipe.zrem(canceled, *[jid for jid, _ in items])  # skipped before, enqueued again now
-            jobs.enqueue_many(f.queue, [d for _, d in items], pipe)
+            f.queue.enqueue_many([d for _, d in items], pipeline=pipe)
             pipe.execute()
         f.enqueued += len(items)
 

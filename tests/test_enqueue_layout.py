@@ -1,13 +1,12 @@
-"""shared.jobs.enqueue_many writes what RQ's Queue.enqueue_many writes, in fewer commands."""
+"""shared.jobs.LeanQueue.enqueue_many writes what RQ's Queue.enqueue_many writes, in fewer commands."""
 
 from __future__ import annotations
 
-import pytest
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from shared import jobs
+from shared.jobs import LeanQueue
 
 _STAMPS = {b"created_at", b"enqueued_at"}  # times: differ between any two enqueues
 
@@ -17,15 +16,18 @@ def _items(prefix: str, **extra) -> list:
                                result_ttl=500, failure_ttl=99, description=f"d{i}", **extra) for i in range(3)]
 
 
+def _enqueue(q: Queue, items: list, conn) -> list[Job]:
+    with conn.pipeline() as pipe:
+        out = q.enqueue_many(items, pipeline=pipe)
+        pipe.execute()
+    return out
+
+
 def test_same_hash_queue_and_ttl_as_rq(conn):
     rq_q = Queue("rq-side", connection=conn, serializer=JSONSerializer)
-    our_q = Queue("our-side", connection=conn, serializer=JSONSerializer)
-    with conn.pipeline() as pipe:
-        rq_q.enqueue_many(_items("A"), pipeline=pipe)
-        pipe.execute()
-    with conn.pipeline() as pipe:
-        jobs.enqueue_many(our_q, _items("B"), pipe)
-        pipe.execute()
+    our_q = LeanQueue("our-side", connection=conn, serializer=JSONSerializer)
+    _enqueue(rq_q, _items("A"), conn)
+    assert [j.id for j in _enqueue(our_q, _items("B"), conn)] == ["B0", "B1", "B2"]
     for i in range(3):
         a, b = conn.hgetall(f"rq:job:A{i}"), conn.hgetall(f"rq:job:B{i}")
         assert a.keys() == b.keys() and _STAMPS <= a.keys()
@@ -39,14 +41,13 @@ def test_same_hash_queue_and_ttl_as_rq(conn):
 
 
 def test_expiring_jobs_expire_like_rq(conn):
-    q = Queue("ttl-side", connection=conn, serializer=JSONSerializer)
-    with conn.pipeline() as pipe:
-        jobs.enqueue_many(q, _items("T", ttl=300), pipe)
-        pipe.execute()
+    _enqueue(LeanQueue("ttl-side", connection=conn, serializer=JSONSerializer), _items("T", ttl=300), conn)
     assert 0 < conn.ttl("rq:job:T0") <= 300
 
 
-def test_refuses_what_it_does_not_do(conn):
-    q = Queue("x", connection=conn, serializer=JSONSerializer)
-    with pytest.raises(ValueError, match="at_front"), conn.pipeline() as pipe:
-        jobs.enqueue_many(q, _items("F", at_front=True), pipe)
+def test_what_it_does_not_shorten_goes_through_rq(conn):
+    q = LeanQueue("front", connection=conn, serializer=JSONSerializer)
+    _enqueue(q, _items("F"), conn)
+    _enqueue(q, _items("G", at_front=True), conn)  # RQ's path: each pushed at the front
+    assert q.job_ids == ["G2", "G1", "G0", "F0", "F1", "F2"]
+    assert len(q.enqueue_many(_items("H"))) == 3 and q.job_ids[-1] == "H2"  # no pipeline: RQ's, executed
