@@ -131,7 +131,7 @@ class LeanQueue(Queue):
     The job hash is RQ's (``Job.save``: ``Job.to_dict``, status queued included), the queue
     list and the queue set are RQ's; what goes is RQ's extra ``HSET status`` per job before
     the save that writes it again, and its ``RPUSH`` per job (one ``RPUSH`` for the batch).
-    Redis's CPU per prompt is mostly per command (bench/ceiling.py). Anything else than plain
+    Every command is Redis CPU spent per prompt (bench/ceiling.py). Anything else than plain
     jobs in a caller's pipeline (dependencies, at_front, repeat, a group) is RQ's own path.
     tests/test_enqueue_layout.py compares the two.
     """
