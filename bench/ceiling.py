@@ -12,6 +12,11 @@ microseconds give the projected prompts/s of one Redis core (1e6 / us per prompt
 executes commands on one thread, so that is its ceiling, whatever the number of workers.
 Goal: >= 20,000 prompts/s.
 
+Steps. The same Redis work without the processes: one prompt's script calls and commands,
+driven from here in pipelines of 256 like a loaded worker's (producer's enqueue through
+``jobs.LeanQueue``, claim, reserve, commit, finish, the collector's read and delete), each
+step's Redis CPU per prompt on its own: where the pipeline's cost lies, on a quiet server.
+
 Collector. ``producer.collector.Collector`` is driven directly: a results stream is filled
 with M entries of 4 KB rows (the fields commit.lua writes: id, kind, row), then one
 ``drain()`` writes them all to out/<dataset>.jsonl (fsynced). Rows/s and MB/s by wall time
@@ -36,6 +41,7 @@ DS = "C1"
 REDIS_GOAL = 20_000.0
 COLLECTOR_GOAL = 10_000.0
 ROW_BYTES = 4096
+TOP = 24  # commands shown in the commandstats table
 
 
 @dataclass
@@ -44,6 +50,7 @@ class RedisRun:
     prompts: int
     seconds: float
     cpu_us: float        # per prompt, INFO cpu
+    sys_us: float        # the part of it in the kernel (used_cpu_sys: socket reads and writes)
     top: list[tuple[str, float, float]]   # (command, calls/prompt, usec/prompt), by usec
     commands: float      # per prompt
     reads: float         # per prompt: socket reads, ~ round trips
@@ -59,7 +66,7 @@ def redis_counters(conn) -> dict[str, float]:
     cpu = conn.info("cpu")
     stats = conn.info("stats")
     cmd = conn.info("commandstats")
-    return {"cpu_s": float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+    return {"cpu_s": float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), "sys_s": float(cpu["used_cpu_sys"]),
             **{f"usec:{k.removeprefix('cmdstat_')}": float(v["usec"]) for k, v in cmd.items()},
             **{f"calls:{k.removeprefix('cmdstat_')}": float(v["calls"]) for k, v in cmd.items()},
             # Commands run by a script or inside MULTI count here as well as in EVALSHA/EXEC.
@@ -86,9 +93,74 @@ def redis_run(stack: c.Stack, sim: c.Sim, n: int, workers: int, per_worker: int)
         raise RuntimeError(f"{workers} workers: {committed} of {n} prompts committed")
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     names = [k.split(":", 1)[1] for k in d if k.startswith("usec:")]
-    top = sorted(((m, d[f"calls:{m}"] / n, d[f"usec:{m}"] / n) for m in names), key=lambda t: -t[2])[:8]
-    return RedisRun(workers, n, seconds, 1e6 * d["cpu_s"] / n, top, d["commands"] / n,
+    top = sorted(((m, d[f"calls:{m}"] / n, d[f"usec:{m}"] / n) for m in names), key=lambda t: -t[2])[:TOP]
+    return RedisRun(workers, n, seconds, 1e6 * d["cpu_s"] / n, 1e6 * d["sys_s"] / n, top, d["commands"] / n,
                     d["reads"] / n, d["in"] / n, d["out"] / n)
+
+
+def step_costs(stack: c.Stack, n: int) -> list[tuple[str, float]]:
+    """Redis CPU us per prompt of each step of a prompt's way, the real calls in pipelines of 256."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from producer.collector import Collector
+    from shared import budget, jobs
+    from shared.config import DatasetConfig
+    from shared.scripts import run_many
+
+    stack.flush()
+    conn = stack.conn()
+    batch = 256
+    budget.register_dataset(conn, DatasetConfig(name=DS, path="-", budget=10**12, max_tokens=64))
+    queue = jobs.LeanQueue(keys.queue_name(DS), connection=conn, serializer=JSONSerializer)
+    cpu = lambda: sum(float(conn.info("cpu")[k]) for k in ("used_cpu_user", "used_cpu_sys"))  # noqa: E731
+    out: list[tuple[str, float]] = []
+
+    def step(name: str, fn) -> None:
+        c0 = cpu()
+        fn()
+        out.append((name, 1e6 * (cpu() - c0) / n))
+
+    def calls(make) -> None:
+        made = [make(i) for i in range(n)]
+        for i in range(0, n, batch):
+            for r in run_many(conn, made[i:i + batch]):
+                if isinstance(r, Exception):
+                    raise r
+
+    def enqueue() -> None:
+        q = "q" * 120
+        for i in range(0, n, batch):
+            items = [Queue.prepare_data("worker.job.run", args=({"id": f"p{j}", "dataset": DS, "prompt_tokens": 30,
+                                                                 "messages": [{"role": "user", "content": q}]},),
+                                        job_id=job_id(DS, f"p{j}"), timeout=-1, result_ttl=jobs.RESULT_TTL_S,
+                                        failure_ttl=jobs.KEEP_S, description=f"{DS}:p{j}")
+                     for j in range(i, min(n, i + batch))]
+            known = conn.pipeline(transaction=False)  # the producer's look before it enqueues
+            known.smismember(keys.done_key(DS), [it.job_id for it in items])
+            for it in items:
+                known.hmget(keys.rq_job_key(it.job_id), ["status", "origin"])
+            known.execute()
+            with conn.pipeline() as pipe:
+                queue.enqueue_many(items, pipeline=pipe)
+                pipe.execute()
+
+    claimed: list[jobs.Claimed] = []
+
+    def claim() -> None:
+        while len(claimed) < n:
+            claimed.extend(run_many(conn, [jobs.claim(DS, 64, time.time() + 60, "w")])[0])
+
+    row = json.dumps({"id": "p", "dataset": DS, "messages": [{"role": "user", "content": "q" * 120}],
+                      "completion": "a" * 80, "finish_reason": "stop", "completion_tokens": 16})
+    done = jobs.JobEnd.done(jobs.ResultStatus.COMMITTED, 16)
+    step("producer: look up + enqueue", enqueue)
+    step("worker: claim", claim)
+    step("worker: reserve", lambda: calls(lambda i: budget.reserve(DS, claimed[i].job_id, 64, 30)))
+    step("worker: commit", lambda: calls(lambda i: budget.commit(DS, claimed[i].job_id, 30, 16, "stop", row)))
+    step("worker: finish", lambda: calls(lambda i: jobs.finish(DS, claimed[i], done, time.time(), "w")))
+    step("collector: read + delete", lambda: Collector(conn, stack.dir / "steps-out", [DS]).drain())
+    return out
 
 
 @dataclass
@@ -142,6 +214,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts (< 1 min)")
     ap.add_argument("--smoke", action="store_true", help="tiny, for the test suite")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts to run (1 2 4)")
     args = ap.parse_args(argv)
     n, rows = (20_000, 50_000)
     if args.quick:
@@ -153,24 +226,33 @@ def main(argv: list[str]) -> None:
     stack = c.Stack.start()
     try:
         runs = []
-        for workers in (1, 2, 4):
+        for workers in args.workers:
             runs.append(redis_run(stack, sim, n, workers, 128))
-            print(f"  {workers} workers: {runs[-1].cpu_us:.1f} redis CPU us/prompt", flush=True)
+            r = runs[-1]
+            print(f"  {workers} workers: {r.cpu_us:.1f} redis CPU us/prompt ({r.sys_us:.1f} sys), "
+                  f"{r.commands:.1f} commands/prompt",
+                  flush=True)
+        steps = step_costs(stack, n)
         col = collector_run(stack, rows)
         print(f"  collector: {col.rows / col.wall_s:,.0f} rows/s", flush=True)
     finally:
         stack.close()
         sim.close()
     print(c.md_table(
-        ["workers", "prompts", "wall s", "redis CPU us/prompt", "commands/prompt",
+        ["workers", "prompts", "wall s", "redis CPU us/prompt", "of which sys", "commands/prompt",
          "round trips/prompt (socket reads)", "bytes in/prompt", "bytes out/prompt",
          "projected prompts/s of one Redis core", "ratio to 20,000/s goal"],
-        [[r.workers, r.prompts, r.seconds, r.cpu_us, r.commands, r.reads, r.bytes_in, r.bytes_out,
+        [[r.workers, r.prompts, r.seconds, r.cpu_us, r.sys_us, r.commands, r.reads, r.bytes_in, r.bytes_out,
           r.projected, r.projected / REDIS_GOAL] for r in runs]))
     print()
     print(f"Where Redis spends it ({runs[-1].workers} workers; INFO commandstats usec is wall time, and a script's or "
           "a MULTI's commands count both on their own and inside EVALSHA/EXEC):")
     print(c.md_table(["command", "calls/prompt", "usec/prompt"], runs[-1].top))
+    print()
+    total = sum(us for _, us in steps)
+    print(f"Redis CPU per prompt by step, without the processes ({n:,} prompts, pipelines of 256, quiet server):")
+    print(c.md_table(["step", "redis CPU us/prompt", "share"],
+                     [*[[name, us, us / total] for name, us in steps], ["all", total, 1.0]]))
     print()
     mb = col.rows * col.row_bytes / 1e6
     print(c.md_table(

@@ -104,7 +104,7 @@ class Producer:
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
         for ds in cfg.datasets:
             register_dataset(self.conn, ds)
-            q = Queue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
+            q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
             legacy = id_scheme(self.conn, ds.name) == SCHEME_MIGRATED
             if legacy:
                 log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "

@@ -74,7 +74,8 @@ MARGIN_AFTER = 20
 def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0,
             requests: int = 1) -> ScriptCall[Reservation]:
     """``requests``: how many requests the job sends (regenerate: all, one per user turn)."""
-    return ScriptCall("reserve", keys.budget_keys(ds),
+    # KEYS 7-9 (results, hist, rate) are not reserve's: every key passed is an argument Redis builds.
+    return ScriptCall("reserve", keys.budget_keys(ds)[:6],
                       [job_id, max_tokens, prompt_tokens, requests, PRIOR_UNTIL, MARGIN_AFTER],
                       lambda r: Reservation(Admission(text(r[0])), int(r[1])))
 

@@ -24,7 +24,15 @@ if held then
   redis.call('HDEL', KEYS[3], job)
   redis.call('DECRBY', KEYS[4], tonumber(held))
 end
-if redis.call('SISMEMBER', KEYS[5], job) == 1 then
+-- Held: SADD both marks the prompt done and says whether it already was (one command where
+-- SISMEMBER + SADD were two). Not held: only look, a rejected result must not mark it done.
+local fresh
+if held then
+  fresh = redis.call('SADD', KEYS[5], job) == 1
+else
+  fresh = redis.call('SISMEMBER', KEYS[5], job) == 0
+end
+if not fresh then
   redis.call('HINCRBY', KEYS[6], 'duplicate', 1)
   redis.call('HINCRBY', KEYS[6], 'wasted_tokens', generated)
   return {'DUPLICATE', tonumber(redis.call('GET', KEYS[2]) or '0')}
@@ -35,7 +43,6 @@ if not held then
   redis.call('HINCRBY', KEYS[6], 'wasted_tokens', generated)
   return {'REJECTED', tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
-redis.call('SADD', KEYS[5], job)
 -- Lengths feed the reservation estimates whether or not the row counts.
 local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'max_tokens', 'count', 'keep')
 local tokens = generated

@@ -17,11 +17,19 @@
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('HSET', KEYS[2], 'status', ARGV[3], 'ended_at', ARGV[4])
-  if ARGV[14] ~= '' then redis.call('HSET', KEYS[2], 'exc_info', ARGV[14]) end
-  if ARGV[15] ~= '' then redis.call('HSET', KEYS[2], 'meta', ARGV[15]) end
-  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6]))
+-- EXPIRE answers whether the job hash still exists (an operator may have deleted it), which
+-- saves an EXISTS; the HSET that follows keeps the expiry. One HSET for every field.
+if redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6])) == 1 then
+  local fields = {'status', ARGV[3], 'ended_at', ARGV[4]}
+  if ARGV[14] ~= '' then
+    fields[#fields + 1] = 'exc_info'
+    fields[#fields + 1] = ARGV[14]
+  end
+  if ARGV[15] ~= '' then
+    fields[#fields + 1] = 'meta'
+    fields[#fields + 1] = ARGV[15]
+  end
+  redis.call('HSET', KEYS[2], unpack(fields))
   redis.call('ZADD', KEYS[3], ARGV[5], ARGV[2])
 end
 if ARGV[7] ~= '0' then

@@ -1,6 +1,6 @@
 -- reserve: admit one request against a dataset's token budget, atomically.
 -- KEYS: 1 conf (hash) 2 used (string) 3 resv (hash job->tokens) 4 reserved (string)
---       5 done (set) 6 stats (hash) 7 results 8 hist 9 rate (7-9 unused here)
+--       5 done (set) 6 stats (hash): the first six of keys.budget_keys
 -- ARGV: 1 job id  2 max_tokens of this request  3 prompt tokens (counted only when
 --       conf.count == 'total'; 0 if unknown; with several requests, summed over them
 --       without the answers)  4 requests the job sends (regenerate: all: one per user
@@ -46,8 +46,9 @@ end
 local mode = conf[2] or 'soft'
 local extra = 0
 if conf[5] == 'total' then extra = prompt_tokens end
-local used = tonumber(redis.call('GET', KEYS[2]) or '0')
-local reserved = tonumber(redis.call('GET', KEYS[4]) or '0')
+local counters = redis.call('MGET', KEYS[2], KEYS[4])  -- one command: used, reserved
+local used = tonumber(counters[1] or '0')
+local reserved = tonumber(counters[2] or '0')
 local est
 local margin = 0
 if mode == 'drain' then
