@@ -44,6 +44,11 @@ ROW_BYTES = 4096
 TOP = 24  # commands shown in the commandstats table
 
 
+def _command(stat: str) -> str:
+    """A commandstats name for a Markdown cell: Redis 7 names subcommands ``client|setinfo``."""
+    return stat.removeprefix("cmdstat_").replace("|", " ")
+
+
 @dataclass
 class RedisRun:
     workers: int
@@ -67,8 +72,8 @@ def redis_counters(conn) -> dict[str, float]:
     stats = conn.info("stats")
     cmd = conn.info("commandstats")
     return {"cpu_s": float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), "sys_s": float(cpu["used_cpu_sys"]),
-            **{f"usec:{k.removeprefix('cmdstat_')}": float(v["usec"]) for k, v in cmd.items()},
-            **{f"calls:{k.removeprefix('cmdstat_')}": float(v["calls"]) for k, v in cmd.items()},
+            **{f"usec:{_command(k)}": float(v["usec"]) for k, v in cmd.items()},
+            **{f"calls:{_command(k)}": float(v["calls"]) for k, v in cmd.items()},
             # Commands run by a script or inside MULTI count here as well as in EVALSHA/EXEC.
             "commands": float(sum(v["calls"] for v in cmd.values())),
             "reads": float(stats["total_reads_processed"]),
