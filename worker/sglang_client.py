@@ -8,8 +8,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 
@@ -36,6 +37,7 @@ from worker.sglang_wire import (
 )
 
 log = logging.getLogger("budgetq.worker")
+T = TypeVar("T")
 # SGLang keeps a request's rid until it notices the client left (a non-streaming request: at
 # its next state-wait poll, ~4 s); a second request with that rid is a 400 with this text
 # (managers/tokenizer_manager.py). Fresh rids per attempt avoid it; if it still happens (a
@@ -98,19 +100,20 @@ class SGLangClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.debug("abort of %s at %s failed: %s", rid, ep.url, exc)
 
-    async def _once(self, ep: Endpoint, payload: JobPayload, rid: str) -> Completion:
-        path, body = build_request(self._server, payload, rid)
+    async def _post(self, ep: Endpoint, path: str, body: dict, rid: str,
+                    read: Callable[[aiohttp.ClientResponse, float], Awaitable[T]]) -> T:
+        """One POST to ``ep``, counted in its requests in flight, its answer read by ``read``.
+
+        A transport failure is retryable; one that may have reached the server (a timeout, a
+        dropped connection, a cancellation) also asks the server to abort ``rid``.
+        """
         ep.in_flight += 1
         ep.requests += 1
         started = time.monotonic()
         try:
             async with self._session.post(ep.url + path, json=body, headers=self._headers,
                                           timeout=self._timeout) as resp:
-                try:
-                    data = await resp.json(content_type=None)
-                except ValueError:
-                    data = await resp.text()
-                return self._read(ep, path, resp.status, data, started)
+                return await read(resp, started)
         except aiohttp.ClientConnectorError as exc:  # never reached the server: nothing to abort
             raise RetryableRequestError(f"{ep.url}{path}: {type(exc).__name__}: {exc}") from exc
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
@@ -121,6 +124,18 @@ class SGLangClient:
             raise
         finally:
             ep.in_flight -= 1
+
+    async def _once(self, ep: Endpoint, payload: JobPayload, rid: str) -> Completion:
+        path, body = build_request(self._server, payload, rid)
+
+        async def read(resp: aiohttp.ClientResponse, started: float) -> Completion:
+            try:
+                data = await resp.json(content_type=None)
+            except ValueError:
+                data = await resp.text()
+            return self._read(ep, path, resp.status, data, started)
+
+        return await self._post(ep, path, body, rid, read)
 
     def _read(self, ep: Endpoint, path: str, status: int, data: object, started: float) -> Completion:
         if status in RETRYABLE_STATUS:
@@ -142,8 +157,20 @@ class SGLangClient:
         down the job waits instead of failing. A server that answered (a duplicate rid, an
         aborted response, a 4xx) does not count against its endpoint's health.
         """
-        attempt = 0
         key = routing_key(payload, self._server.prefix_chars) if self._server.routing == "prefix" else None
+        ep, out = await self._attempts(job_id, lambda ep: self._once(ep, payload, attempt_rid(job_id, turn)),
+                                       key, payload.dataset)
+        self.pool.served(ep, out.prompt_tokens, out.cached_tokens)
+        return out
+
+    async def _attempts(self, job_id: str, once: Callable[[Endpoint], Awaitable[T]], key: bytes | None = None,
+                        dataset: str | None = None) -> tuple[Endpoint, T]:
+        """``once`` on a picked endpoint until it succeeds, fails for good, or max_attempts is spent.
+
+        Waiting for an endpoint to come back does not spend attempts. A server that answered (a
+        duplicate rid, an aborted response, a 4xx) does not count against its endpoint's health.
+        """
+        attempt = 0
         while True:
             ep = self.pool.pick(key)
             if ep is None:
@@ -151,7 +178,7 @@ class SGLangClient:
                 continue
             attempt += 1
             try:
-                out = await self._once(ep, payload, attempt_rid(job_id, turn))
+                out = await once(ep)
             except RetryableRequestError as exc:
                 answered = isinstance(exc, DuplicateRidError | AbortedResponseError)
                 if answered:
@@ -161,8 +188,8 @@ class SGLangClient:
                 if attempt >= self._server.max_attempts:
                     raise RetryableRequestError(f"gave up after {attempt} attempts: {exc}") from exc
                 log.info("job %s: attempt %d failed (%s): retrying with a new rid", job_id, attempt, exc)
-                if self._on_retry is not None:
-                    self._on_retry(payload.dataset)
+                if self._on_retry is not None and dataset is not None:
+                    self._on_retry(dataset)
                 if not isinstance(exc, DuplicateRidError):  # a fresh rid is the whole fix: no wait
                     await asyncio.sleep(backoff_s(attempt, self._server.backoff_base_s, self._server.backoff_max_s))
                 continue
@@ -170,8 +197,7 @@ class SGLangClient:
                 self.pool.success(ep)  # the server answered: the endpoint itself is fine
                 raise
             self.pool.success(ep)
-            self.pool.served(ep, out.prompt_tokens, out.cached_tokens)
-            return out
+            return ep, out
 
 
 @dataclass(frozen=True)
@@ -219,54 +245,19 @@ class HiddenStatesClient(SGLangClient):
     """The same client (endpoint pool, retries, rids, aborts) with one more request kind."""
 
     async def _prefill_once(self, ep: Endpoint, input_ids: list[int], rid: str) -> RawResponse:
-        ep.in_flight += 1
-        ep.requests += 1
-        started = time.monotonic()
-        try:
-            async with self._session.post(ep.url + "/generate", json=prefill_body(input_ids, rid),
-                                          headers=self._headers, timeout=self._timeout) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    try:
-                        detail: object = json.loads(data)
-                    except ValueError:
-                        detail = data.decode(errors="replace")
-                    self._read(ep, "/generate", resp.status, detail, started)  # raises the right error
-                return RawResponse(data, ep.url, time.monotonic() - started)
-        except aiohttp.ClientConnectorError as exc:
-            raise RetryableRequestError(f"{ep.url}/generate: {type(exc).__name__}: {exc}") from exc
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            self._abort_later(ep, rid)
-            raise RetryableRequestError(f"{ep.url}/generate: {type(exc).__name__}: {exc}") from exc
-        except asyncio.CancelledError:
-            self._abort_later(ep, rid)
-            raise
-        finally:
-            ep.in_flight -= 1
+        async def read(resp: aiohttp.ClientResponse, started: float) -> RawResponse:
+            data = await resp.read()
+            if resp.status != 200:
+                try:
+                    detail: object = json.loads(data)
+                except ValueError:
+                    detail = data.decode(errors="replace")
+                self._read(ep, "/generate", resp.status, detail, started)  # raises the right error
+            return RawResponse(data, ep.url, time.monotonic() - started)
+
+        return await self._post(ep, "/generate", prefill_body(input_ids, rid), rid, read)
 
     async def prefill_hidden_states(self, input_ids: list[int], job_id: str) -> RawResponse:
         """POST the prefill with retries on transient failures (as ``complete``); the body stays raw."""
-        attempt = 0
-        while True:
-            ep = self.pool.pick()
-            if ep is None:
-                await self.pool.wait_healthy()
-                continue
-            attempt += 1
-            try:
-                out = await self._prefill_once(ep, input_ids, attempt_rid(job_id))
-            except RetryableRequestError as exc:
-                if isinstance(exc, DuplicateRidError):  # the server answered: the endpoint is fine
-                    self.pool.success(ep)
-                else:
-                    self.pool.failure(ep, str(exc))
-                if attempt >= self._server.max_attempts:
-                    raise RetryableRequestError(f"gave up after {attempt} attempts: {exc}") from exc
-                if not isinstance(exc, DuplicateRidError):
-                    await asyncio.sleep(backoff_s(attempt, self._server.backoff_base_s, self._server.backoff_max_s))
-                continue
-            except FatalRequestError:
-                self.pool.success(ep)
-                raise
-            self.pool.success(ep)
-            return out
+        _ep, out = await self._attempts(job_id, lambda ep: self._prefill_once(ep, input_ids, attempt_rid(job_id)))
+        return out
