@@ -270,10 +270,9 @@ def test_redis_crash_mid_run_capture_still_ends_complete(tmp_path, sim_factory):
             assert worker.poll() is None, "the worker died with Redis"
         finally:
             procs.stop_all()
-        # The outage hit the run (checked above: produce was still running). A call that meets it may be
-        # carried over by redis-py's own retries (up to ~6 s, shared/redis_conn.py) without a log line, so
-        # which process logs it varies; one of them does (the worker's claim loop calls most often).
-        assert "redis unreachable" in Procs.log(producer) + Procs.log(worker)
+        # No log line is asserted: redis-py's own retries (up to ~6 s, shared/redis_conn.py) can carry
+        # any process's calls over a 4 s outage silently. That the outage hit the run is checked above
+        # (produce still running, rows still to capture, when Redis was killed).
         check_invariants(conn, out, "A", ids_a)
         committed = [r["id"] for r in rows(out / "A.jsonl")]
         assert sorted(committed) == sorted(ids_a)
