@@ -261,8 +261,9 @@ class FeaturesPass:
             p.outstanding[b.id] = len(b.input_ids)
             if status in _LIVE:  # queued or running from an earlier pass: its result will come
                 continue
-            data.append(Queue.prepare_data(JOB_FUNC, args=(b.model_dump(),), job_id=jid, timeout=-1, result_ttl=500,
-                                           failure_ttl=FAILURE_TTL_S, description=f"{p.ds.name}:features"))
+            data.append(Queue.prepare_data(JOB_FUNC, args=(b.model_dump(),), job_id=jid, timeout=-1,
+                                           result_ttl=jobs.RESULT_TTL_S, failure_ttl=FAILURE_TTL_S,
+                                           description=f"{p.ds.name}:features"))
         if data:
             with self.conn.pipeline() as pipe:
                 # failed in an earlier pass, enqueued again now

@@ -223,7 +223,7 @@ class Producer:
                 continue
             try:
                 data[jid] = Queue.prepare_data(JOB_FUNC, args=(_payload(f.ds, p),), job_id=jid, timeout=-1,
-                                               result_ttl=jobs.RESULT_TTL_S, failure_ttl=jobs.KEEP_S,
+                                               result_ttl=self.cfg.producer.result_ttl_s, failure_ttl=jobs.KEEP_S,
                                                description=f"{f.ds.name}:{safe(p.id)[:120]}")
             except Exception as exc:  # noqa: BLE001 - one row that cannot become a job costs only that row
                 self._record_invalid(f, Invalid(p.line, f"cannot enqueue: {type(exc).__name__}: {exc}"))

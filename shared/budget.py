@@ -76,8 +76,8 @@ def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0,
     """``requests``: how many requests the job sends (regenerate: all, one per user turn)."""
     # KEYS 7-9 (results, hist, rate) are not reserve's: every key passed is an argument Redis builds.
     return ScriptCall("reserve", keys.budget_keys(ds)[:6],
-                      [job_id, max_tokens, prompt_tokens, requests, PRIOR_UNTIL, MARGIN_AFTER],
-                      lambda r: Reservation(Admission(text(r[0])), int(r[1])))
+                      [PRIOR_UNTIL, MARGIN_AFTER, job_id, max_tokens, prompt_tokens, requests],
+                      lambda r: Reservation(Admission(text(r[0])), int(r[1])), shared=2)
 
 
 def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, finish_reason: str,
@@ -87,11 +87,10 @@ def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, fin
     ``lengths``: each request's completion tokens when the result took several (regenerate:
     all), so the length statistics stay per request.
     """
-    args: list[Any] = [job_id, prompt_tokens, completion_tokens, row_json, finish_reason,
-                       keys.HIST_BINS, keys.RATE_BUCKET_S, keys.RATE_KEEP_S]
-    if lengths is not None and len(lengths) > 1:
-        args.append(",".join(str(n) for n in lengths))
-    return ScriptCall("commit", keys.budget_keys(ds), args, lambda r: Outcome(text(r[0])))
+    several = ",".join(str(n) for n in lengths) if lengths is not None and len(lengths) > 1 else ""
+    args: list[Any] = [keys.HIST_BINS, keys.RATE_BUCKET_S, keys.RATE_KEEP_S,
+                       job_id, prompt_tokens, completion_tokens, row_json, finish_reason, several]
+    return ScriptCall("commit", keys.budget_keys(ds), args, lambda r: Outcome(text(r[0])), shared=3)
 
 
 def release(ds: str, job_id: str, generated: int = 0, member: str | None = None) -> ScriptCall[Release]:

@@ -219,6 +219,11 @@ class ProducerConfig(_Strict):
     # Progress display: bars on a terminal, log lines otherwise (auto), or force one.
     progress: Literal["auto", "bars", "log", "off"] = "auto"
     progress_interval_s: float = Field(default=10.0, gt=0)
+    # How long RQ keeps a finished job (its hash, finished-registry entry and result), as RQ's
+    # own result_ttl: rq-dashboard shows finished jobs this long. 0 deletes a job as it
+    # finishes (what RQ's worker does with result_ttl=0), a third less Redis CPU per prompt at
+    # fleet scale (docs/benchmarks.md "Ceiling"); the rows are in the output files either way.
+    result_ttl_s: int = Field(default=500, ge=0)
 
 
 class MonitorConfig(_Strict):

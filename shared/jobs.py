@@ -114,6 +114,7 @@ class Claimed:
     job_id: str
     execution_id: str
     data: bytes  # RQ's job data: zlib-compressed JSON [function, instance, args, kwargs]
+    result_ttl: int | None = None  # the job's own (RQ's result_ttl field); None: RQ's default
 
     @property
     def member(self) -> str:
@@ -163,8 +164,15 @@ class LeanQueue(Queue):
         return out
 
 
+def _ttl(raw: Any) -> int | None:
+    try:
+        return int(raw) if raw else None
+    except ValueError:  # not RQ's: RQ's default applies
+        return None
+
+
 def _claimed(reply: list[Any]) -> list[Claimed]:
-    return [Claimed(job_id.decode(), exec_id.decode(), data or b"") for job_id, exec_id, data in reply]
+    return [Claimed(job_id.decode(), exec_id.decode(), data or b"", _ttl(ttl)) for job_id, exec_id, data, ttl in reply]
 
 
 def claim(ds: str, count: int, lease_end: float, worker_name: str) -> ScriptCall[list[Claimed]]:
@@ -188,23 +196,37 @@ def requeue(ds: str, member: str, job_id: str, reason: Stat = Stat.REQUEUED,
         lambda r: bool(int(r)))
 
 
+# finish.lua's registries, by the KEYS index it is given them at
+_REGISTRY_INDEX = {Ending.FINISHED: 2, Ending.FAILED: 3, Ending.CANCELED: 4}
+
+
+def result_ttl(c: Claimed, ending: Ending) -> int:
+    """How long RQ keeps this job once ended (RQ's ``Job.get_result_ttl`` / failure_ttl): a
+    finished job its own result_ttl (0: deleted at once), else RESULT_TTL_S; the others KEEP_S."""
+    if ending is not Ending.FINISHED:
+        return KEEP_S
+    return c.result_ttl if c.result_ttl is not None and c.result_ttl >= 0 else RESULT_TTL_S
+
+
 def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str) -> ScriptCall[bool]:
     """Record a job's end in RQ's layout and count it; False if we no longer hold it."""
     if end.stat is not None and end.stat not in ENDING_STATS:
         raise ValueError(f"not an ending counter: {end.stat!r}")
     now = datetime.now(UTC)
-    ttl = RESULT_TTL_S if end.ending is Ending.FINISHED else KEEP_S
+    ttl = result_ttl(c, end.ending)
     result_type = {Ending.FINISHED: 1, Ending.FAILED: 2}.get(end.ending, 0)
     error = end.error
     return ScriptCall(
         "finish",
-        [keys.rq_wip_key(ds), keys.rq_job_key(c.job_id), keys.rq_registry_key(ds, end.ending),
-         keys.rq_results_key(c.job_id), keys.stats_key(ds)],
-        [c.member, c.job_id, end.ending.value, utcformat(now), f"{now.timestamp() + ttl:.3f}", ttl, result_type,
+        [keys.rq_wip_key(ds), *(keys.rq_registry_key(ds, e) for e in _REGISTRY_INDEX), keys.stats_key(ds)],
+        [keys.RQ_JOB_PREFIX, keys.RQ_RESULTS_PREFIX, worker_name, RESULT_STREAM_MAXLEN,
+         # the item: this job's end
+         c.member, c.job_id, end.ending.value, _REGISTRY_INDEX[end.ending], utcformat(now),
+         f"{now.timestamp() + ttl:.3f}", ttl, result_type,
          b64encode(json.dumps(end.result).encode()).decode() if end.result is not None else "",
          b64encode(zlib.compress(error.encode())).decode() if error else "",
-         worker_name, c.execution_id, f"{started_at:.6f}", f"{now.timestamp():.6f}",
+         c.execution_id, f"{started_at:.6f}", f"{now.timestamp():.6f}",
          zlib.compress(error.encode()) if error else "",
          json.dumps({"skipped": end.skipped.value}) if end.skipped else "",
-         end.stat.value if end.stat else "", RESULT_STREAM_MAXLEN],
-        lambda r: bool(int(r)))
+         end.stat.value if end.stat else ""],
+        lambda r: bool(int(r)), shared=4)

@@ -131,9 +131,12 @@ def rq_registry_key(ds: str, status: str) -> str:
     return f"rq:{status}:{queue_name(ds)}"
 
 
+RQ_RESULTS_PREFIX = "rq:results:"  # finish.lua gets it in ARGV: one call records several jobs
+
+
 def rq_results_key(job_id: str) -> str:
     """RQ's stream of a job's results (rq.results.Result)."""
-    return f"rq:results:{job_id}"
+    return f"{RQ_RESULTS_PREFIX}{job_id}"
 
 
 def budget_keys(ds: str) -> list[str]:

@@ -5,6 +5,14 @@ reply), built by the typed functions in shared/budget.py and shared/jobs.py. One
 then run on a blocking client (``run``), an asyncio client (``arun``), or be coalesced
 with other calls made in the same event-loop turn into one pipeline round trip
 (``Batcher``), so the hot path pays one round trip for many jobs.
+
+Item scripts (reserve, commit, finish: the three every prompt goes through) go further: their
+ARGV is the arguments shared by every item, then one fixed-size group per item, and they
+reply with one reply per item. Calls of such a script with the same keys and shared
+arguments (the same dataset) are merged into one EVALSHA: the dataset's settings are read
+once and its counters written once for the whole group, which is what makes one Redis core
+carry tens of thousands of prompts a second (docs/benchmarks.md "Ceiling"). A merged call is
+one atomic script run: its items are applied in order, as the separate calls would be.
 """
 
 from __future__ import annotations
@@ -40,53 +48,120 @@ SCRIPTS: dict[str, _Script] = {n: _Script(n) for n in (
 
 @dataclass(frozen=True)
 class ScriptCall(Generic[T]):
+    """``shared``: None for a plain script; for an item script, how many of ``args`` (the first
+    ones) are shared by every item; the rest are this call's one item."""
+
     script: str
     keys: list[str]
     args: list[Any]
     parse: Callable[[Any], T]
+    shared: int | None = None
 
     @property
-    def _evalsha(self) -> tuple:
-        return (SCRIPTS[self.script].sha, len(self.keys), *self.keys, *self.args)
+    def _merge_key(self) -> tuple | None:
+        if self.shared is None:
+            return None
+        return (self.script, *self.keys, "", *self.args[: self.shared])
+
+
+@dataclass
+class _Evalsha:
+    """One EVALSHA on the wire and the calls it answers (several when item calls were merged)."""
+
+    script: str
+    argv: list[Any]
+    calls: list[ScriptCall]
+    items: bool
+
+    def spread(self, raw: Any) -> list[Any]:
+        """Its reply, one per call: an item script's reply list in order; an error to each."""
+        if isinstance(raw, Exception) or not self.items:
+            return [raw] * len(self.calls)
+        if not isinstance(raw, list) or len(raw) != len(self.calls):
+            err = redis.ResponseError(f"budgetq: {self.script}.lua answered {raw!r} for {len(self.calls)} items")
+            return [err] * len(self.calls)
+        return list(raw)
+
+
+def _evalshas(calls: list[ScriptCall], merge: bool) -> list[_Evalsha]:
+    """The EVALSHAs for ``calls``: with ``merge``, item calls of the same script, keys and shared
+    arguments become one, at the place of the first of them (callers that merge are calls of
+    independent jobs, whose relative order carries no meaning)."""
+    out: list[_Evalsha] = []
+    groups: dict[tuple, _Evalsha] = {}
+    for c in calls:
+        key = c._merge_key
+        if key is not None and merge and key in groups:
+            e = groups[key]
+            e.argv.extend(c.args[c.shared:])
+            e.calls.append(c)
+            continue
+        e = _Evalsha(c.script, [SCRIPTS[c.script].sha, len(c.keys), *c.keys, *c.args], [c], key is not None)
+        out.append(e)
+        if key is not None:
+            groups[key] = e
+    return out
+
+
+def _answers(calls: list[ScriptCall], evalshas: list[_Evalsha], raws: list[Any]) -> list[Any]:
+    """The raw reply of each call, in the order of ``calls``."""
+    by_call: dict[int, Any] = {}
+    for e, raw in zip(evalshas, raws, strict=True):
+        for c, r in zip(e.calls, e.spread(raw), strict=True):
+            by_call[id(c)] = r
+    return [by_call[id(c)] for c in calls]
+
+
+def _one(call: ScriptCall[T], raw: Any) -> T:
+    value = _parse(call, _Evalsha(call.script, [], [call], call.shared is not None).spread(raw)[0])
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 def run(client: redis.Redis | redis.client.Pipeline, call: ScriptCall[T]) -> T:
     """Run one call on a blocking client; (re)loads the script if Redis lost it (restart)."""
+    argv = [SCRIPTS[call.script].sha, len(call.keys), *call.keys, *call.args]
     try:
-        raw = client.evalsha(*call._evalsha)
+        raw = client.evalsha(*argv)
     except NoScriptError:
         client.script_load(SCRIPTS[call.script].source)
-        raw = client.evalsha(*call._evalsha)
-    return call.parse(raw)
+        raw = client.evalsha(*argv)
+    return _one(call, raw)
 
 
 async def arun(client: aredis.Redis, call: ScriptCall[T]) -> T:
+    argv = [SCRIPTS[call.script].sha, len(call.keys), *call.keys, *call.args]
     try:
-        raw = await client.evalsha(*call._evalsha)
+        raw = await client.evalsha(*argv)
     except NoScriptError:
         await client.script_load(SCRIPTS[call.script].source)
-        raw = await client.evalsha(*call._evalsha)
-    return call.parse(raw)
+        raw = await client.evalsha(*argv)
+    return _one(call, raw)
 
 
-def run_many(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
-    """Run calls in one pipeline round trip (blocking); each result is parsed or an exception."""
+def run_many(client: redis.Redis, calls: list[ScriptCall], merge: bool = False) -> list[Any]:
+    """Run calls in one pipeline round trip (blocking); each result is parsed or an exception.
+
+    ``merge``: the calls are of independent jobs (no call depends on another's effect), so item
+    calls of one dataset may go as one EVALSHA."""
     if not calls:
         return []
-    raws = _pipe(client, calls)
+    evalshas = _evalshas(calls, merge)
+    raws = _pipe(client, evalshas)
     if any(isinstance(r, NoScriptError) for r in raws):
-        for s in {c.script for c in calls}:
+        for s in {e.script for e in evalshas}:
             client.script_load(SCRIPTS[s].source)
         again = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)]
-        for i, r in zip(again, _pipe(client, [calls[i] for i in again]), strict=True):
+        for i, r in zip(again, _pipe(client, [evalshas[i] for i in again]), strict=True):
             raws[i] = r
-    return [_parse(c, r) for c, r in zip(calls, raws, strict=True)]
+    return [_parse(c, r) for c, r in zip(calls, _answers(calls, evalshas, raws), strict=True)]
 
 
-def _pipe(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
+def _pipe(client: redis.Redis, evalshas: list[_Evalsha]) -> list[Any]:
     with client.pipeline(transaction=False) as p:
-        for c in calls:
-            p.evalsha(*c._evalsha)
+        for e in evalshas:
+            p.evalsha(*e.argv)
         return p.execute(raise_on_error=False)
 
 
@@ -118,6 +193,7 @@ class Batcher:
         self._scheduled = False
         self.round_trips = 0
         self.calls = 0
+        self.evalshas = 0  # script runs sent: fewer than calls where item calls merged
 
     async def __call__(self, call: ScriptCall[T]) -> T:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -148,13 +224,16 @@ class Batcher:
     async def _send_one(self, batch: list[tuple[ScriptCall, asyncio.Future]]) -> None:
         calls = [c for c, _ in batch]
         try:
-            raws = await self._apipe(calls)
+            # The calls of one batch come from independent jobs: item calls of a dataset merge.
+            evalshas = _evalshas(calls, merge=True)
+            raws = await self._apipe(evalshas)
             if any(isinstance(r, NoScriptError) for r in raws):
-                for s in {c.script for c in calls}:
+                for s in {e.script for e in evalshas}:
                     await self._client.script_load(SCRIPTS[s].source)
                 again = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)]
-                for i, r in zip(again, await self._apipe([calls[i] for i in again]), strict=True):
+                for i, r in zip(again, await self._apipe([evalshas[i] for i in again]), strict=True):
                     raws[i] = r
+            raws = _answers(calls, evalshas, raws)
         except BaseException as exc:  # connection lost: every caller in the batch sees it
             for _, fut in batch:
                 if not fut.done():
@@ -174,10 +253,11 @@ class Batcher:
             else:
                 fut.set_result(value)
 
-    async def _apipe(self, calls: list[ScriptCall]) -> list[Any]:
+    async def _apipe(self, evalshas: list[_Evalsha]) -> list[Any]:
         self.round_trips += 1
-        self.calls += len(calls)
+        self.calls += sum(len(e.calls) for e in evalshas)
+        self.evalshas += len(evalshas)
         async with self._client.pipeline(transaction=False) as p:
-            for c in calls:
-                p.evalsha(*c._evalsha)
+            for e in evalshas:
+                p.evalsha(*e.argv)
             return await p.execute(raise_on_error=False)

@@ -62,10 +62,22 @@ def _calls(src: str) -> list[list[str]]:
     return out
 
 
+# Item scripts sum their stats counters in a Lua table and write it once per call:
+# ``bump('field', n)`` (commit.lua) or ``stats[a[N]]`` (finish.lua: a field from item argument N),
+# then ``for field, by in pairs(stats) do redis.call('HINCRBY', KEYS[k], field, by) end``.
+DEFERRED_FIELD = "field"
+
+
 def lua_fields(path: Path) -> Fields:
     src = path.read_text()
     which = _header_keys(src)
     got = Fields()
+    code = "\n".join(line.split("--", 1)[0] for line in src.splitlines())
+    for name in re.findall(r"\bbump\('([^']*)'", code):
+        got.literal["stats"].add(name)
+        got.written["stats"].add(name)
+    for n in re.findall(r"\bstats\[a\[(\d+)\]\]", code):
+        got.from_argv["stats"].add(int(n))
     for args in _calls(src):
         cmd = args[0].strip("'\"").upper()
         if len(args) < 2 or cmd not in WRITES | READS:
@@ -76,6 +88,8 @@ def lua_fields(path: Path) -> Fields:
         h = which[int(m.group(1))]
         names = args[2::2] if cmd == "HSET" else args[2:] if cmd in ("HMGET", "HDEL") else args[2:3]
         for a in names:
+            if a == DEFERRED_FIELD and cmd == "HINCRBY" and h == "stats":
+                continue  # the fields summed above
             if lit := re.fullmatch(r"'([^']*)'", a):
                 got.literal[h].add(lit.group(1))
                 if cmd in WRITES:

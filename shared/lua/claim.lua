@@ -6,7 +6,8 @@
 --       4 now as RQ formats dates  5 worker name  6 RQ job hash key prefix (keys.RQ_JOB_PREFIX)
 --       7 RQ's status of a started job (JobStatus.STARTED)
 -- Returns a list of {job id, execution id, the job's data field (RQ's zlib-compressed,
--- serialized call)}; a job whose hash has vanished (deleted by an operator) is skipped.
+-- serialized call), its result_ttl field (how long RQ keeps it once finished; finish.lua)};
+-- a job whose hash has vanished (deleted by an operator) is skipped.
 local ids = redis.call('LPOP', KEYS[1], tonumber(ARGV[1]))
 if not ids then
   return {}
@@ -16,9 +17,10 @@ local out = {}
 local members = {}
 for i, id in ipairs(ids) do
   local job_key = ARGV[6] .. id
-  -- HGET first: a missing hash and a missing field both read false; only then ask which
+  -- HMGET first: a missing hash and a missing field both read false; only then ask which
   -- (a hash without data is still claimed, and fails as unreadable, as before).
-  local data = redis.call('HGET', job_key, 'data')
+  local fields = redis.call('HMGET', job_key, 'data', 'result_ttl')
+  local data = fields[1]
   if not data and redis.call('EXISTS', job_key) == 1 then data = '' end
   if data then
     local exec = ARGV[3] .. i
@@ -30,7 +32,7 @@ for i, id in ipairs(ids) do
     end
     redis.call('HSET', job_key, 'status', ARGV[7], 'started_at', ARGV[4], 'last_heartbeat', ARGV[4],
                'worker_name', ARGV[5])
-    out[#out + 1] = {id, exec, data}
+    out[#out + 1] = {id, exec, data, fields[2] or ''}
   end
 end
 if #members > 0 then

@@ -1,15 +1,21 @@
--- commit: count one finished request exactly once and hand its result to the collector.
+-- commit: count finished requests exactly once and hand their results to the collector.
+-- An item script (shared/scripts.py): one call commits one or several results of the dataset,
+-- in order, exactly as separate calls would; the settings are read once, and the counters
+-- (used, reserved, stats, histogram, rate) are summed here and written once per call, not per
+-- result: every command is Redis CPU spent per prompt (bench/ceiling.py). Only a Lua error
+-- could stop a call half way, and none of its commands can raise on these keys.
 -- KEYS: 1 conf 2 used 3 resv 4 reserved 5 done 6 stats 7 results (stream) 8 hist 9 rate
--- ARGV: 1 job id  2 prompt tokens  3 completion tokens (what the server generated)
---       4 result row (JSON)  5 finish reason ('length' = cut by max_tokens)
---       6 histogram bins (keys.HIST_BINS)  7 rate bucket width, s (keys.RATE_BUCKET_S)
---       8 how long rate buckets are kept, s (keys.RATE_KEEP_S)
---       9 optional: each request's completion tokens, comma-separated, when the result took
---         several (regenerate: all); ARGV[3] is their sum. The histogram, the spread and
---         stats.extra_requests stay per request, so reserve.lua's mean is per request.
+-- ARGV: 1 histogram bins (keys.HIST_BINS)  2 rate bucket width, s (keys.RATE_BUCKET_S)
+--       3 how long rate buckets are kept, s (keys.RATE_KEEP_S)
+--       then per item, 6 each: job id, prompt tokens, completion tokens (what the server
+--       generated), result row (JSON), finish reason ('length' = cut by max_tokens), and each
+--       request's completion tokens, comma-separated, when the result took several
+--       (regenerate: all; '' otherwise), whose sum is the completion tokens. The histogram,
+--       the spread and stats.extra_requests stay per request, so reserve.lua's mean is per
+--       request.
 -- What counts follows the dataset's conf: count = completion | total (prompt + completion);
 -- keep = complete sets results cut by max_tokens aside (side file, not counted).
--- Returns {status, used}; status is one of
+-- Returns one {status, used} per item; status is one of
 --   COMMITTED  counted and handed to the collector
 --   CROSSED    counted, and this result crossed a soft budget: every other admission of
 --              the dataset was withdrawn (requests still running are to be aborted)
@@ -17,79 +23,115 @@
 --   DUPLICATE  the prompt was already committed (a retry after a crash): nothing counted
 --   REJECTED   this request's admission was withdrawn (budget crossed, lowered with
 --              --abort-in-flight, or its lease was lost): nothing counted, tokens wasted
-local job = ARGV[1]
-local generated = tonumber(ARGV[3])
-local held = redis.call('HGET', KEYS[3], job)
-if held then
-  redis.call('HDEL', KEYS[3], job)
-  redis.call('DECRBY', KEYS[4], tonumber(held))
-end
--- Held: SADD both marks the prompt done and says whether it already was (one command where
--- SISMEMBER + SADD were two). Not held: only look, a rejected result must not mark it done.
-local fresh
-if held then
-  fresh = redis.call('SADD', KEYS[5], job) == 1
-else
-  fresh = redis.call('SISMEMBER', KEYS[5], job) == 0
-end
-if not fresh then
-  redis.call('HINCRBY', KEYS[6], 'duplicate', 1)
-  redis.call('HINCRBY', KEYS[6], 'wasted_tokens', generated)
-  return {'DUPLICATE', tonumber(redis.call('GET', KEYS[2]) or '0')}
-end
-redis.call('HINCRBY', KEYS[6], 'generated_tokens', generated)
-if not held then
-  redis.call('HINCRBY', KEYS[6], 'rejected', 1)
-  redis.call('HINCRBY', KEYS[6], 'wasted_tokens', generated)
-  return {'REJECTED', tonumber(redis.call('GET', KEYS[2]) or '0')}
-end
--- Lengths feed the reservation estimates whether or not the row counts.
+local ITEM = 6
 local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'max_tokens', 'count', 'keep')
-local tokens = generated
-if conf[4] == 'total' then tokens = tokens + tonumber(ARGV[2]) end
-local bins = tonumber(ARGV[6])
-local width = math.max(1, math.floor(tonumber(conf[3] or bins) / bins))
-local lengths = {generated}
-if ARGV[9] and ARGV[9] ~= '' then
-  lengths = {}
-  for n in string.gmatch(ARGV[9], '[^,]+') do lengths[#lengths + 1] = tonumber(n) end
-  redis.call('HINCRBY', KEYS[6], 'extra_requests', #lengths - 1)
-end
-redis.call('HINCRBY', KEYS[6], 'sum_completion', generated)
-for _, n in ipairs(lengths) do
-  redis.call('HINCRBY', KEYS[8], math.floor(n / width), 1)
-  -- With sum_completion, the spread of lengths: reserve.lua's end-game margin.
-  redis.call('HINCRBY', KEYS[6], 'sum_sq_completion', n * n)
-end
-if conf[5] == 'complete' and ARGV[5] == 'length' then
-  redis.call('HINCRBY', KEYS[6], 'truncated', 1)
-  redis.call('HINCRBY', KEYS[6], 'truncated_tokens', generated)
-  redis.call('XADD', KEYS[7], '*', 'id', job, 'kind', 'truncated', 'row', ARGV[4])
-  return {'TRUNCATED', tonumber(redis.call('GET', KEYS[2]) or '0')}
-end
-local used = redis.call('INCRBY', KEYS[2], tokens)
-redis.call('HINCRBY', KEYS[6], 'committed', 1)
-redis.call('HINCRBY', KEYS[6], 'sum_tokens', tokens)
-local now = redis.call('TIME')
-local bucket_s = tonumber(ARGV[7])
-local bucket = tonumber(now[1]) - tonumber(now[1]) % bucket_s
-if redis.call('HINCRBY', KEYS[9], bucket, tokens) == tokens then
-  -- A new bucket: drop buckets older than the keep time so the hash stays small.
-  for _, f in ipairs(redis.call('HKEYS', KEYS[9])) do
-    if tonumber(f) < bucket - tonumber(ARGV[8]) then redis.call('HDEL', KEYS[9], f) end
-  end
-end
-redis.call('XADD', KEYS[7], '*', 'id', job, 'kind', 'row', 'row', ARGV[4])
 local limit = tonumber(conf[1])
-if conf[2] == 'soft' and used >= limit and used - tokens < limit then
-  -- This result crossed the budget. Withdraw every other admission: results still on
-  -- their way are then rejected, so used stays within [limit, limit + max_tokens).
-  local others = redis.call('HLEN', KEYS[3])
-  if others > 0 then
-    redis.call('DEL', KEYS[3])
-    redis.call('SET', KEYS[4], 0)
-    redis.call('HINCRBY', KEYS[6], 'withdrawn', others)
-  end
-  return {'CROSSED', used}
+local bins = tonumber(ARGV[1])
+local width = math.max(1, math.floor(tonumber(conf[3] or bins) / bins))
+local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+local used_before = used
+local unreserve = 0   -- tokens of the reservations taken back: one DECRBY at the end
+local stats = {}      -- stats field -> increment, one HINCRBY each at the end
+local hist = {}       -- histogram bin -> increment
+local rate_tokens = 0
+
+local function bump(field, by)
+  stats[field] = (stats[field] or 0) + by
 end
-return {'COMMITTED', used}
+
+local function commit(job, prompt_tokens, generated, row, finish_reason, lengths_csv)
+  local held = redis.call('HGET', KEYS[3], job)
+  if held then
+    redis.call('HDEL', KEYS[3], job)
+    unreserve = unreserve + tonumber(held)
+  end
+  -- Held: SADD both marks the prompt done and says whether it already was (one command where
+  -- SISMEMBER + SADD were two). Not held: only look, a rejected result must not mark it done.
+  local fresh
+  if held then
+    fresh = redis.call('SADD', KEYS[5], job) == 1
+  else
+    fresh = redis.call('SISMEMBER', KEYS[5], job) == 0
+  end
+  if not fresh then
+    bump('duplicate', 1)
+    bump('wasted_tokens', generated)
+    return {'DUPLICATE', used}
+  end
+  bump('generated_tokens', generated)
+  if not held then
+    bump('rejected', 1)
+    bump('wasted_tokens', generated)
+    return {'REJECTED', used}
+  end
+  -- Lengths feed the reservation estimates whether or not the row counts.
+  local tokens = generated
+  if conf[4] == 'total' then tokens = tokens + prompt_tokens end
+  local lengths = {generated}
+  if lengths_csv ~= '' then
+    lengths = {}
+    for n in string.gmatch(lengths_csv, '[^,]+') do lengths[#lengths + 1] = tonumber(n) end
+    bump('extra_requests', #lengths - 1)
+  end
+  bump('sum_completion', generated)
+  for _, n in ipairs(lengths) do
+    local bin = math.floor(n / width)
+    hist[bin] = (hist[bin] or 0) + 1
+    -- With sum_completion, the spread of lengths: reserve.lua's end-game margin.
+    bump('sum_sq_completion', n * n)
+  end
+  if conf[5] == 'complete' and finish_reason == 'length' then
+    bump('truncated', 1)
+    bump('truncated_tokens', generated)
+    redis.call('XADD', KEYS[7], '*', 'id', job, 'kind', 'truncated', 'row', row)
+    return {'TRUNCATED', used}
+  end
+  used = used + tokens
+  bump('committed', 1)
+  bump('sum_tokens', tokens)
+  rate_tokens = rate_tokens + tokens
+  redis.call('XADD', KEYS[7], '*', 'id', job, 'kind', 'row', 'row', row)
+  if conf[2] == 'soft' and used >= limit and used - tokens < limit then
+    -- This result crossed the budget. Withdraw every other admission: results still on
+    -- their way are then rejected, so used stays within [limit, limit + max_tokens).
+    local others = redis.call('HLEN', KEYS[3])
+    if others > 0 then
+      redis.call('DEL', KEYS[3])
+      redis.call('SET', KEYS[4], 0)
+      unreserve = 0  -- the reservations taken back so far went with the SET
+      bump('withdrawn', others)
+    end
+    return {'CROSSED', used}
+  end
+  return {'COMMITTED', used}
+end
+
+local out = {}
+for base = 4, #ARGV, ITEM do
+  out[#out + 1] = commit(ARGV[base], tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), ARGV[base + 3],
+                         ARGV[base + 4], ARGV[base + 5])
+end
+if used > used_before then
+  redis.call('INCRBY', KEYS[2], used - used_before)
+end
+if unreserve > 0 then
+  redis.call('DECRBY', KEYS[4], unreserve)
+end
+for field, by in pairs(stats) do
+  redis.call('HINCRBY', KEYS[6], field, by)
+end
+for bin, by in pairs(hist) do
+  redis.call('HINCRBY', KEYS[8], bin, by)
+end
+if rate_tokens > 0 then
+  local now = redis.call('TIME')
+  local bucket_s = tonumber(ARGV[2])
+  local bucket = tonumber(now[1]) - tonumber(now[1]) % bucket_s
+  if redis.call('HINCRBY', KEYS[9], bucket, rate_tokens) == rate_tokens then
+    -- A new bucket: drop buckets older than the keep time so the hash stays small.
+    for _, f in ipairs(redis.call('HKEYS', KEYS[9])) do
+      if tonumber(f) < bucket - tonumber(ARGV[3]) then redis.call('HDEL', KEYS[9], f) end
+    end
+  end
+end
+return out

@@ -1,52 +1,89 @@
--- finish: record how a job ended, in RQ's own layout, in one step: the started-registry entry
--- goes, the job hash gets its status, the job goes into the finished / failed / canceled
--- registry, and its result into RQ's result stream, so rq-dashboard and `rq` show it.
+-- finish: record how jobs ended, in RQ's own layout: the started-registry entry goes, the job
+-- hash gets its status, the job goes into the finished / failed / canceled registry, and its
+-- result into RQ's result stream, so rq-dashboard and `rq` show it. A finished job whose
+-- result_ttl is 0 is deleted instead (hash and result stream), as RQ's own worker does with
+-- such a job: nothing is kept, which is what a fleet wants (producer.result_ttl_s).
 -- Only the job's current holder records it: if the entry is gone (the lease ran out and the
 -- job was requeued, maybe running elsewhere), nothing is written.
--- KEYS: 1 RQ started registry  2 RQ job hash  3 RQ registry to add to  4 RQ result stream
---       5 budgetq stats hash of the dataset
--- ARGV: 1 registry member "<job>:<execution>"  2 job id  3 status (finished|failed|canceled)
---       4 ended_at (RQ's date format)  5 registry score  6 ttl (s) of the job hash and result
---       7 result type (1 successful, 2 failed, 0 none)  8 return value (base64 JSON) or ''
---       9 exc_string (base64 zlib) or ''  10 worker name  11 execution id
---       12 execution started_at (unix s)  13 execution ended_at (unix s)
---       14 exc_info for the job hash (zlib) or ''  15 meta for the job hash (JSON) or ''
---       16 stats field to count (shared.stats.ENDING_STATS) or ''
---       17 most entries kept in the result stream (shared.jobs.RESULT_STREAM_MAXLEN)
--- Returns 1 if recorded, 0 if this caller no longer holds the job.
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
-  return 0
-end
--- EXPIRE answers whether the job hash still exists (an operator may have deleted it), which
--- saves an EXISTS; the HSET that follows keeps the expiry. One HSET for every field.
-if redis.call('EXPIRE', KEYS[2], tonumber(ARGV[6])) == 1 then
-  local fields = {'status', ARGV[3], 'ended_at', ARGV[4]}
-  if ARGV[14] ~= '' then
-    fields[#fields + 1] = 'exc_info'
-    fields[#fields + 1] = ARGV[14]
+-- An item script (shared/scripts.py): one call records one or several jobs of a dataset, in
+-- order; registry entries and stats counters are written once per call.
+-- KEYS: 1 RQ started registry  2 RQ finished registry  3 RQ failed registry
+--       4 RQ canceled registry  5 budgetq stats hash of the dataset
+-- ARGV: 1 RQ job hash key prefix (keys.RQ_JOB_PREFIX)  2 RQ result stream key prefix
+--       3 worker name  4 most entries kept in a result stream (shared.jobs.RESULT_STREAM_MAXLEN)
+--       then per item, 16 each:
+--        1 registry member "<job>:<execution>"  2 job id  3 status (finished|failed|canceled)
+--        4 the KEYS index of its registry (2, 3 or 4)  5 ended_at (RQ's date format)
+--        6 registry score  7 ttl (s) of the job hash and result; 0: delete the job
+--        8 result type (1 successful, 2 failed, 0 none)  9 return value (base64 JSON) or ''
+--       10 exc_string (base64 zlib) or ''  11 execution id  12 execution started_at (unix s)
+--       13 execution ended_at (unix s)  14 exc_info for the job hash (zlib) or ''
+--       15 meta for the job hash (JSON) or ''  16 stats field to count
+--          (shared.stats.ENDING_STATS) or ''
+-- Returns one 1 per item if recorded, 0 if this caller no longer holds the job.
+local ITEM = 16
+local registry = {[2] = {}, [3] = {}, [4] = {}}  -- KEYS index -> {score, member, ...}
+local stats = {}
+
+local function finish(a)
+  if redis.call('ZREM', KEYS[1], a[1]) == 0 then
+    return 0
   end
-  if ARGV[15] ~= '' then
-    fields[#fields + 1] = 'meta'
-    fields[#fields + 1] = ARGV[15]
+  local job_key = ARGV[1] .. a[2]
+  local results_key = ARGV[2] .. a[2]
+  local ttl = tonumber(a[7])
+  if a[16] ~= '' then
+    stats[a[16]] = (stats[a[16]] or 0) + 1
   end
-  redis.call('HSET', KEYS[2], unpack(fields))
-  redis.call('ZADD', KEYS[3], ARGV[5], ARGV[2])
-end
-if ARGV[7] ~= '0' then
-  local fields = {'type', ARGV[7], 'worker_name', ARGV[10], 'execution_id', ARGV[11],
-                  'execution_started_at', ARGV[12], 'execution_ended_at', ARGV[13]}
-  if ARGV[8] ~= '' then
-    fields[#fields + 1] = 'return_value'
-    fields[#fields + 1] = ARGV[8]
+  if ttl == 0 then
+    redis.call('DEL', job_key, results_key)
+    return 1
   end
-  if ARGV[9] ~= '' then
-    fields[#fields + 1] = 'exc_string'
-    fields[#fields + 1] = ARGV[9]
+  -- EXPIRE answers whether the job hash still exists (an operator may have deleted it), which
+  -- saves an EXISTS; the HSET that follows keeps the expiry. One HSET for every field.
+  if redis.call('EXPIRE', job_key, ttl) == 1 then
+    local fields = {'status', a[3], 'ended_at', a[5]}
+    if a[14] ~= '' then
+      fields[#fields + 1] = 'exc_info'
+      fields[#fields + 1] = a[14]
+    end
+    if a[15] ~= '' then
+      fields[#fields + 1] = 'meta'
+      fields[#fields + 1] = a[15]
+    end
+    redis.call('HSET', job_key, unpack(fields))
+    local members = registry[tonumber(a[4])]
+    members[#members + 1] = a[6]
+    members[#members + 1] = a[2]
   end
-  redis.call('XADD', KEYS[4], 'MAXLEN', ARGV[17], '*', unpack(fields))
-  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
+  if a[8] ~= '0' then
+    local fields = {'type', a[8], 'worker_name', ARGV[3], 'execution_id', a[11],
+                    'execution_started_at', a[12], 'execution_ended_at', a[13]}
+    if a[9] ~= '' then
+      fields[#fields + 1] = 'return_value'
+      fields[#fields + 1] = a[9]
+    end
+    if a[10] ~= '' then
+      fields[#fields + 1] = 'exc_string'
+      fields[#fields + 1] = a[10]
+    end
+    redis.call('XADD', results_key, 'MAXLEN', ARGV[4], '*', unpack(fields))
+    redis.call('EXPIRE', results_key, ttl)
+  end
+  return 1
 end
-if ARGV[16] ~= '' then
-  redis.call('HINCRBY', KEYS[5], ARGV[16], 1)
+
+local out = {}
+for base = 5, #ARGV, ITEM do
+  out[#out + 1] = finish({unpack(ARGV, base, base + ITEM - 1)})
 end
-return 1
+for index, members in pairs(registry) do
+  -- unpack's stack is bounded: a huge call goes in slices
+  for i = 1, #members, 1000 do
+    redis.call('ZADD', KEYS[index], unpack(members, i, math.min(#members, i + 999)))
+  end
+end
+for field, by in pairs(stats) do
+  redis.call('HINCRBY', KEYS[5], field, by)
+end
+return out
