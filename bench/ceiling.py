@@ -107,7 +107,7 @@ def redis_run(stack: c.Stack, sim: c.Sim, n: int, workers: int, per_worker: int,
                     d["reads"] / n, d["in"] / n, d["out"] / n)
 
 
-def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int) -> list[tuple[str, float]]:
+def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int, batch: int = 256) -> list[tuple[str, float]]:
     """Redis CPU us per prompt of each step of a prompt's way, the real calls in pipelines of 256:
     one EVALSHA per call (``merge`` False), or a pipeline's calls of the dataset merged into one
     (what the worker's Batcher does; how many merge depends on the load)."""
@@ -121,7 +121,6 @@ def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int) -> list[tup
 
     stack.flush()
     conn = stack.conn()
-    batch = 256
     budget.register_dataset(conn, DatasetConfig(name=DS, path="-", budget=10**12, max_tokens=64))
     queue = jobs.LeanQueue(keys.queue_name(DS), connection=conn, serializer=JSONSerializer)
     cpu = lambda: sum(float(conn.info("cpu")[k]) for k in ("used_cpu_user", "used_cpu_sys"))  # noqa: E731
@@ -179,6 +178,121 @@ STEP_LAYOUTS = [(False, TTLS[0]), (True, TTLS[0]), (True, TTLS[1])]
 
 
 @dataclass
+class Saturated:
+    prompts: int
+    virtual_workers: int
+    seconds: float
+    enqueue_us: float    # Redis CPU per prompt of the producer's enqueue (batches of 256)
+    worker_us: float     # ... of the workers' calls and the collector, while Redis was busy
+    busy: float          # Redis CPU seconds per wall second during the worker phase (1.0 = one core)
+    evalsha_per_prompt: float
+
+    @property
+    def cpu_us(self) -> float:
+        return self.enqueue_us + self.worker_us
+
+    @property
+    def projected(self) -> float:
+        return 1e6 / self.cpu_us
+
+
+def saturate(stack: c.Stack, n: int, virtual_workers: int, result_ttl: int) -> Saturated:
+    """Redis under the load it would carry at its ceiling, which the worker processes cannot make on
+    this machine (each spends ~1 ms of Python per prompt; two cores hold them, the producer, the
+    simulator and Redis). A Redis that is mostly idle pays a wake-up, a read and a write for nearly
+    every round trip and gets small batches; a busy one serves many clients per wake-up and the
+    Batchers' queues grow while their pipeline is out, so their calls merge more: its CPU per
+    prompt is lower, and that is what sets how many prompts one core carries.
+
+    Here ``virtual_workers`` asyncio tasks in this process make exactly a worker's Redis calls --
+    claim, reserve, commit, finish, each through its own connection and its own
+    ``shared.scripts.Batcher``, the worker's -- without the HTTP request and the worker's Python
+    bookkeeping in between, while a thread runs the real ``Collector``. The producer's enqueue
+    (``jobs.LeanQueue``, batches of 256, as it refills a queue) is measured before, on its own."""
+    import asyncio
+    import threading
+
+    import redis.asyncio as aredis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from producer.collector import Collector
+    from shared import budget, jobs
+    from shared.config import DatasetConfig
+    from shared.scripts import Batcher
+
+    stack.flush()
+    conn = stack.conn()
+    budget.register_dataset(conn, DatasetConfig(name=DS, path="-", budget=10**12, max_tokens=64))
+    queue = jobs.LeanQueue(keys.queue_name(DS), connection=conn, serializer=JSONSerializer)
+    cpu = lambda: sum(float(conn.info("cpu")[k]) for k in ("used_cpu_user", "used_cpu_sys"))  # noqa: E731
+    q = "q" * 120
+    c0 = cpu()
+    for i in range(0, n, 256):
+        items = [Queue.prepare_data("worker.job.run", args=({"id": f"p{j}", "dataset": DS, "prompt_tokens": 30,
+                                                             "messages": [{"role": "user", "content": q}]},),
+                                    job_id=job_id(DS, f"p{j}"), timeout=-1, result_ttl=result_ttl,
+                                    failure_ttl=jobs.KEEP_S, description=f"{DS}:p{j}")
+                 for j in range(i, min(n, i + 256))]
+        known = conn.pipeline(transaction=False)  # the producer's look before it enqueues
+        known.smismember(keys.done_key(DS), [it.job_id for it in items])
+        for it in items:
+            known.hmget(keys.rq_job_key(it.job_id), ["status", "origin"])
+        known.execute()
+        with conn.pipeline() as pipe:
+            queue.enqueue_many(items, pipeline=pipe)
+            pipe.execute()
+    enqueue_us = 1e6 * (cpu() - c0) / n
+
+    # the row of a prompt (the collector keeps one row per id)
+    row = json.dumps({"id": "{}", "dataset": DS, "messages": [{"role": "user", "content": q}],
+                      "completion": "a" * 80, "finish_reason": "stop", "completion_tokens": 16}).replace("{}", "%s")
+    done = jobs.JobEnd.done(jobs.ResultStatus.COMMITTED, 16)
+    stop = threading.Event()
+    out = stack.dir / "saturate-out"
+    shutil.rmtree(out, ignore_errors=True)
+    collector = Collector(stack.conn(), out, [DS])
+
+    def collect() -> None:
+        while not stop.is_set():
+            if not collector.drain():
+                time.sleep(0.05)  # the producer's poll_interval_s
+        collector.drain()
+
+    async def one(batch: Batcher, cl: jobs.Claimed) -> None:
+        await batch(budget.reserve(DS, cl.job_id, 64, 30))
+        await batch(budget.commit(DS, cl.job_id, 30, 16, "stop", row % cl.job_id))
+        await batch(jobs.finish(DS, cl, done, time.time(), "v"))
+
+    async def worker(name: str) -> int:
+        client = aredis.Redis.from_url(stack.url)
+        batch = Batcher(client)
+        try:
+            while True:
+                claimed = await batch(jobs.claim(DS, 64, time.time() + 600, name))
+                if not claimed:
+                    return batch.evalshas
+                await asyncio.gather(*(one(batch, cl) for cl in claimed))
+        finally:
+            await client.aclose()
+
+    async def main() -> int:
+        return sum(await asyncio.gather(*(worker(f"v{i}") for i in range(virtual_workers))))
+
+    thread = threading.Thread(target=collect)
+    c0, t0 = cpu(), time.monotonic()
+    thread.start()
+    evalshas = asyncio.run(main())
+    stop.set()
+    thread.join()
+    used, seconds = cpu() - c0, time.monotonic() - t0
+    committed = int(conn.hget(keys.stats_key(DS), "committed") or 0)
+    if committed != n or collector.written.get(DS, 0) != n:
+        raise RuntimeError(f"saturate: {committed} committed, {collector.written.get(DS)} collected of {n}")
+    return Saturated(n, virtual_workers, seconds, enqueue_us, 1e6 * used / n, used / seconds, evalshas / n)
+
+
+@dataclass
 class CollectorRun:
     rows: int
     row_bytes: int
@@ -230,6 +344,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer prompts (< 1 min)")
     ap.add_argument("--smoke", action="store_true", help="tiny, for the test suite")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts to run (1 2 4)")
+    ap.add_argument("--virtual-workers", type=int, nargs="+", default=[16],
+                    help="virtual worker counts of the busy-Redis runs (16); fewer make less load")
     args = ap.parse_args(argv)
     n, rows = (20_000, 50_000)
     if args.quick:
@@ -248,6 +364,12 @@ def main(argv: list[str]) -> None:
                 print(f"  {workers} workers, result_ttl_s {ttl}: {r.cpu_us:.1f} redis CPU us/prompt "
                       f"({r.sys_us:.1f} sys), {r.commands:.1f} commands/prompt", flush=True)
         steps = [step_costs(stack, n, merge, ttl) for merge, ttl in STEP_LAYOUTS]
+        sat = []
+        for vw in args.virtual_workers:
+            for ttl in TTLS:
+                sat.append((ttl, saturate(stack, n, vw, ttl)))
+                print(f"  {vw} virtual workers, result_ttl_s {ttl}: {sat[-1][1].cpu_us:.1f} redis CPU us/prompt, "
+                      f"Redis {sat[-1][1].busy:.0%} busy", flush=True)
         col = collector_run(stack, rows)
         print(f"  collector: {col.rows / col.wall_s:,.0f} rows/s", flush=True)
     finally:
@@ -280,12 +402,25 @@ def main(argv: list[str]) -> None:
         [[col.rows, col.row_bytes, col.wall_s, col.cpu_s, col.rows / col.wall_s, mb / col.wall_s,
           col.rows_per_cpu_s, col.rows / col.wall_s / COLLECTOR_GOAL]]))
     print()
+    print(f"Redis busy: the workers' Redis calls made by virtual workers in one process (no HTTP, no per-job "
+          f"Python bookkeeping), {n:,} prompts, the enqueue measured before on its own:")
+    print(c.md_table(
+        ["virtual workers", "result_ttl_s", "prompts/s through Redis", "Redis busy (CPU s per s)", "enqueue us/prompt",
+         "workers + collector us/prompt", "redis CPU us/prompt", "script runs/prompt",
+         "projected prompts/s of one Redis core", "ratio to 20,000/s goal"],
+        [[r.virtual_workers, r_ttl, r.prompts / r.seconds, r.busy, r.enqueue_us, r.worker_us, r.cpu_us,
+          r.evalsha_per_prompt, r.projected, r.projected / REDIS_GOAL] for r_ttl, r in sat]))
+    print()
     goal_rows = []
     for ttl in TTLS:
-        worst = max((r for r in runs if r.result_ttl == ttl), key=lambda r: r.cpu_us)
-        goal_rows.append([f"one Redis core, prompts/s (worst of the worker counts), result_ttl_s {ttl}",
-                          worst.projected, REDIS_GOAL, worst.projected / REDIS_GOAL,
-                          "met" if worst.projected >= REDIS_GOAL else "missed"])
+        # the run that pushed the most prompts/s through Redis: the closest to the ceiling's regime
+        r = max((x for t, x in sat if t == ttl), key=lambda x: x.prompts / x.seconds)
+        worst = max((x for x in runs if x.result_ttl == ttl), key=lambda x: x.cpu_us)
+        goal_rows.append([f"one Redis core, prompts/s, result_ttl_s {ttl}: Redis {r.busy:.0%} busy", r.projected,
+                          REDIS_GOAL,
+                          r.projected / REDIS_GOAL, "met" if r.projected >= REDIS_GOAL else "missed"])
+        goal_rows.append([f"  (the same at {worst.workers} worker processes, Redis mostly idle)", worst.projected,
+                          REDIS_GOAL, worst.projected / REDIS_GOAL, "-"])
     print(c.md_table(
         ["component", "measured", "goal", "ratio to goal", "goal"],
         [*goal_rows,

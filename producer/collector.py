@@ -87,10 +87,15 @@ class Collector:
                     break
                 total += self._write(ds, paths, entries)
                 last = entries[-1][0].decode()
+                ms, seq = last.split("-")
                 pipe = self.conn.pipeline()
                 pipe.set(keys.cursor_key(ds), last)
-                pipe.xdel(keys.results_key(ds), *[e[0] for e in entries])
+                # Everything up to the cursor is on disk: one XTRIM (entries below the next id)
+                # frees whole stream nodes, where XDEL of each id marked them one by one.
+                pipe.xtrim(keys.results_key(ds), minid=f"{ms}-{int(seq) + 1}", approximate=False)
                 pipe.execute()
+                if len(entries) < count:  # the stream held no more: no second look
+                    break
         return total
 
     def _write(self, ds: str, paths: dict[str, Path], entries: StreamEntries) -> int:
