@@ -120,13 +120,36 @@ def redis_run(stack: c.Stack, sim: c.Sim, n: int, workers: int, per_worker: int,
                     d["reads"] / n, d["in"] / n, d["out"] / n)
 
 
+def enqueue_prompts(conn, n: int, result_ttl: int, batch: int) -> None:
+    """The producer's work for n prompts, in batches as it refills a queue: its look-up of what
+    Redis knows of them, then ``jobs.LeanQueue.enqueue_many`` in one pipeline per batch."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from shared import jobs
+
+    queue = jobs.LeanQueue(keys.queue_name(DS), connection=conn, serializer=JSONSerializer)
+    q = "q" * 120
+    for i in range(0, n, batch):
+        items = [Queue.prepare_data("worker.job.run", args=({"id": f"p{j}", "dataset": DS, "prompt_tokens": 30,
+                                                             "messages": [{"role": "user", "content": q}]},),
+                                    job_id=job_id(DS, f"p{j}"), timeout=-1, result_ttl=result_ttl,
+                                    failure_ttl=jobs.KEEP_S, description=f"{DS}:p{j}")
+                 for j in range(i, min(n, i + batch))]
+        known = conn.pipeline(transaction=False)  # the producer's look before it enqueues
+        known.smismember(keys.done_key(DS), [it.job_id for it in items])
+        for it in items:
+            known.hmget(keys.rq_job_key(it.job_id), ["status", "origin"])
+        known.execute()
+        with conn.pipeline() as pipe:
+            queue.enqueue_many(items, pipeline=pipe)
+            pipe.execute()
+
+
 def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int, batch: int = 256) -> list[tuple[str, float]]:
     """Redis CPU us per prompt of each step of a prompt's way, the real calls in pipelines of 256:
     one EVALSHA per call (``merge`` False), or a pipeline's calls of the dataset merged into one
     (what the worker's Batcher does; how many merge depends on the load)."""
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
     from producer.collector import Collector
     from shared import budget, jobs
     from shared.config import DatasetConfig
@@ -135,7 +158,6 @@ def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int, batch: int 
     stack.flush()
     conn = stack.conn()
     budget.register_dataset(conn, DatasetConfig(name=DS, path="-", budget=10**12, max_tokens=64))
-    queue = jobs.LeanQueue(keys.queue_name(DS), connection=conn, serializer=JSONSerializer)
     cpu = lambda: sum(float(conn.info("cpu")[k]) for k in ("used_cpu_user", "used_cpu_sys"))  # noqa: E731
     out: list[tuple[str, float]] = []
 
@@ -151,23 +173,6 @@ def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int, batch: int 
                 if isinstance(r, Exception):
                     raise r
 
-    def enqueue() -> None:
-        q = "q" * 120
-        for i in range(0, n, batch):
-            items = [Queue.prepare_data("worker.job.run", args=({"id": f"p{j}", "dataset": DS, "prompt_tokens": 30,
-                                                                 "messages": [{"role": "user", "content": q}]},),
-                                        job_id=job_id(DS, f"p{j}"), timeout=-1, result_ttl=result_ttl,
-                                        failure_ttl=jobs.KEEP_S, description=f"{DS}:p{j}")
-                     for j in range(i, min(n, i + batch))]
-            known = conn.pipeline(transaction=False)  # the producer's look before it enqueues
-            known.smismember(keys.done_key(DS), [it.job_id for it in items])
-            for it in items:
-                known.hmget(keys.rq_job_key(it.job_id), ["status", "origin"])
-            known.execute()
-            with conn.pipeline() as pipe:
-                queue.enqueue_many(items, pipeline=pipe)
-                pipe.execute()
-
     claimed: list[jobs.Claimed] = []
 
     def claim() -> None:
@@ -177,7 +182,7 @@ def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int, batch: int 
     row = json.dumps({"id": "p", "dataset": DS, "messages": [{"role": "user", "content": "q" * 120}],
                       "completion": "a" * 80, "finish_reason": "stop", "completion_tokens": 16})
     done = jobs.JobEnd.done(jobs.ResultStatus.COMMITTED, 16)
-    step("producer: look up + enqueue", enqueue)
+    step("producer: look up + enqueue", lambda: enqueue_prompts(conn, n, result_ttl, batch))
     step("worker: claim", claim)
     step("worker: reserve", lambda: calls(lambda i: budget.reserve(DS, claimed[i].job_id, 64, 30)))
     step("worker: commit", lambda: calls(lambda i: budget.commit(DS, claimed[i].job_id, 30, 16, "stop", row)))
@@ -229,8 +234,6 @@ def saturate(stack: c.Stack, n: int, virtual_workers: int, result_ttl: int, proc
     import threading
 
     import redis.asyncio as aredis
-    from rq import Queue
-    from rq.serializers import JSONSerializer
 
     from producer.collector import Collector
     from shared import budget, jobs
@@ -240,24 +243,10 @@ def saturate(stack: c.Stack, n: int, virtual_workers: int, result_ttl: int, proc
     stack.flush()
     conn = stack.conn()
     budget.register_dataset(conn, DatasetConfig(name=DS, path="-", budget=10**12, max_tokens=64))
-    queue = jobs.LeanQueue(keys.queue_name(DS), connection=conn, serializer=JSONSerializer)
     cpu = lambda: sum(float(conn.info("cpu")[k]) for k in ("used_cpu_user", "used_cpu_sys"))  # noqa: E731
     q = "q" * 120
     c0 = cpu()
-    for i in range(0, n, 256):
-        items = [Queue.prepare_data("worker.job.run", args=({"id": f"p{j}", "dataset": DS, "prompt_tokens": 30,
-                                                             "messages": [{"role": "user", "content": q}]},),
-                                    job_id=job_id(DS, f"p{j}"), timeout=-1, result_ttl=result_ttl,
-                                    failure_ttl=jobs.KEEP_S, description=f"{DS}:p{j}")
-                 for j in range(i, min(n, i + 256))]
-        known = conn.pipeline(transaction=False)  # the producer's look before it enqueues
-        known.smismember(keys.done_key(DS), [it.job_id for it in items])
-        for it in items:
-            known.hmget(keys.rq_job_key(it.job_id), ["status", "origin"])
-        known.execute()
-        with conn.pipeline() as pipe:
-            queue.enqueue_many(items, pipeline=pipe)
-            pipe.execute()
+    enqueue_prompts(conn, n, result_ttl, 256)
     enqueue_us = 1e6 * (cpu() - c0) / n
 
     # the row of a prompt (the collector keeps one row per id)

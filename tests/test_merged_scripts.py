@@ -4,13 +4,11 @@ is deleted, as RQ's own worker deletes it (producer.result_ttl_s: 0)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
 
 import pytest
-import redis.asyncio as aredis
 from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
@@ -20,7 +18,7 @@ from shared import budget, jobs, keys
 from shared.budget import Admission, Outcome, register_dataset
 from shared.config import DatasetConfig
 from shared.jobs import JobEnd, ResultStatus, Skip
-from shared.scripts import Batcher, run, run_many
+from shared.scripts import run, run_many
 
 
 def _register(conn, name: str, **kw) -> None:
@@ -123,24 +121,6 @@ def test_run_many_merges_only_when_asked_and_keeps_each_reply_in_place(conn):
     # Merged: b2 went with b1, at b1's place, before the withdraw (merge is for independent calls).
     assert [getattr(r, "tokens", r) for r in run_many(conn, calls("C"), merge=True)] == [80, 70, 2, 80]
     assert budget.dataset_state(conn, "B").reserved == 80 and budget.dataset_state(conn, "C").reserved == 0
-
-
-def test_the_batcher_sends_one_script_run_for_a_burst_of_one_datasets_calls(redis_url, conn):
-    _register(conn, "D", budget=10**6, prior_mean_tokens=10, sampling={"max_tokens": 80})
-
-    async def main():
-        client = aredis.Redis.from_url(redis_url)
-        try:
-            b = Batcher(client)
-            got = await asyncio.gather(*[b(budget.reserve("D", f"j{i}", 80)) for i in range(50)])
-            return got, b.calls, b.evalshas
-        finally:
-            await client.aclose()
-
-    got, calls, evalshas = asyncio.run(main())
-    assert [r.status for r in got] == [Admission.ADMIT] * 50 and calls == 50
-    assert evalshas < calls  # one EVALSHA per flush, not per call
-    assert budget.dataset_state(conn, "D").reserved == 500
 
 
 def _enqueue(conn, n: int, result_ttl: int) -> Queue:

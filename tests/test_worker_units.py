@@ -31,22 +31,23 @@ def _register(conn, ds: str = "D", limit: int = 10**6) -> None:
 
 # -- Batcher -------------------------------------------------------------------------------
 
-def test_calls_made_in_one_loop_turn_share_one_round_trip(conn, redis_url):
+def test_calls_made_in_one_loop_turn_share_one_round_trip_and_one_script_run(conn, redis_url):
     _register(conn)
     run(conn, budget.reserve("D", "warm", 100))  # script loaded: no NOSCRIPT round trip below
 
-    async def main() -> tuple[list, int, int]:
+    async def main() -> tuple[list, int, int, int]:
         client = aredis.from_url(redis_url)
         try:
             b = Batcher(client)
             got = await asyncio.gather(*[b(budget.reserve("D", f"j{i}", 100)) for i in range(50)])
-            return got, b.round_trips, b.calls
+            return got, b.round_trips, b.calls, b.evalshas
         finally:
             await client.aclose()
 
-    got, round_trips, calls = asyncio.run(main())
+    got, round_trips, calls, evalshas = asyncio.run(main())
     assert [r.status for r in got] == [Admission.ADMIT] * 50
-    assert round_trips == 1 and calls == 50
+    # one dataset's reservations: merged into one EVALSHA (shared/scripts.py, item scripts)
+    assert round_trips == 1 and calls == 50 and evalshas == 1
     assert int(conn.get(keys.reserved_key("D"))) == sum(r.tokens for r in got) + 10  # + "warm"
 
 
