@@ -361,10 +361,14 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts (< 1 min)")
     ap.add_argument("--smoke", action="store_true", help="tiny, for the test suite")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts to run (1 2 4)")
-    ap.add_argument("--virtual-workers", type=int, nargs="+", default=[4, 16, 64],
-                    help="virtual worker counts of the busy-Redis runs (4 16 64)")
+    ap.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts to run (1 2 4; --smoke: 1)")
+    ap.add_argument("--virtual-workers", type=int, nargs="+", default=None,
+                    help="virtual worker counts of the busy-Redis runs (4 16 64; --smoke: 4)")
     args = ap.parse_args(argv)
+    if args.workers is None:
+        args.workers = [1] if args.smoke else [1, 2, 4]
+    if args.virtual_workers is None:
+        args.virtual_workers = [4] if args.smoke else [4, 16, 64]
     n, rows = (20_000, 50_000)
     if args.quick:
         n, rows = 4000, 20_000

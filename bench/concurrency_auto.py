@@ -80,7 +80,8 @@ def main(argv: list[str]) -> None:
         c.write_prompts(data, 50_000)
         cfg = stack.config(sims[0].url, [c.dataset(DS, data, 10**12, max_tokens=8192, prior=1000)],
                            server={"urls": [s.url for s in sims]}, producer={"progress": "off", "high_water": 2000},
-                           worker={"capacity_interval_s": 1.0})
+                           # grace_s 0: a stopped run's requests are dropped at once, the window is over
+                           worker={"capacity_interval_s": 1.0, "grace_s": 0})
         runs = []
         for setting in [*fixed, "auto"]:
             runs.append(one_run(stack, sims, cfg, setting, warmup_s, window_s))

@@ -207,7 +207,8 @@ _REGISTRY_INDEX = {Ending.FINISHED: 2, Ending.FAILED: 3, Ending.CANCELED: 4}
 
 def result_ttl(c: Claimed, ending: Ending) -> int:
     """How long RQ keeps this job once ended (RQ's ``Job.get_result_ttl`` / failure_ttl): a
-    finished job its own result_ttl (0: deleted at once), else RESULT_TTL_S; the others KEEP_S."""
+    finished job its own result_ttl (0: deleted at once; none, or RQ's negative "never expire",
+    which budgetq never enqueues: RESULT_TTL_S); the others KEEP_S."""
     if ending is not Ending.FINISHED:
         return KEEP_S
     return c.result_ttl if c.result_ttl is not None and c.result_ttl >= 0 else RESULT_TTL_S
