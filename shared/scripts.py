@@ -72,6 +72,7 @@ class _Evalsha:
     argv: list[Any]
     calls: list[ScriptCall]
     items: bool
+    at: list[int]  # the calls' places in the list they came from
 
     def spread(self, raw: Any) -> list[Any]:
         """Its reply, one per call: an item script's reply list in order; an error to each."""
@@ -89,14 +90,15 @@ def _evalshas(calls: list[ScriptCall], merge: bool) -> list[_Evalsha]:
     independent jobs, whose relative order carries no meaning)."""
     out: list[_Evalsha] = []
     groups: dict[tuple, _Evalsha] = {}
-    for c in calls:
+    for i, c in enumerate(calls):
         key = c._merge_key
         if key is not None and merge and key in groups:
             e = groups[key]
             e.argv.extend(c.args[c.shared:])
             e.calls.append(c)
+            e.at.append(i)
             continue
-        e = _Evalsha(c.script, [SCRIPTS[c.script].sha, len(c.keys), *c.keys, *c.args], [c], key is not None)
+        e = _Evalsha(c.script, [SCRIPTS[c.script].sha, len(c.keys), *c.keys, *c.args], [c], key is not None, [i])
         out.append(e)
         if key is not None:
             groups[key] = e
@@ -105,15 +107,15 @@ def _evalshas(calls: list[ScriptCall], merge: bool) -> list[_Evalsha]:
 
 def _answers(calls: list[ScriptCall], evalshas: list[_Evalsha], raws: list[Any]) -> list[Any]:
     """The raw reply of each call, in the order of ``calls``."""
-    by_call: dict[int, Any] = {}
+    out: list[Any] = [None] * len(calls)
     for e, raw in zip(evalshas, raws, strict=True):
-        for c, r in zip(e.calls, e.spread(raw), strict=True):
-            by_call[id(c)] = r
-    return [by_call[id(c)] for c in calls]
+        for i, r in zip(e.at, e.spread(raw), strict=True):
+            out[i] = r
+    return out
 
 
 def _one(call: ScriptCall[T], raw: Any) -> T:
-    value = _parse(call, _Evalsha(call.script, [], [call], call.shared is not None).spread(raw)[0])
+    value = _parse(call, _Evalsha(call.script, [], [call], call.shared is not None, [0]).spread(raw)[0])
     if isinstance(value, Exception):
         raise value
     return value

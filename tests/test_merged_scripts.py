@@ -176,3 +176,11 @@ def test_a_finished_job_with_result_ttl_0_is_deleted_as_rqs_worker_deletes_it(co
     assert jobs.registry(FailedJobRegistry, "D", conn).get_job_ids(cleanup=False) == ["D-p1"]
     assert 0 < conn.ttl(keys.rq_job_key("D-p1")) <= jobs.KEEP_S
     assert conn.hgetall(keys.stats_key("D")) == {b"failed": b"1", b"already_done": b"1"}
+
+
+def test_the_same_call_twice_in_a_merge_gets_a_reply_each(conn):
+    _register(conn, "D", budget=10**6, prior_mean_tokens=10, sampling={"max_tokens": 80})
+    call = budget.reserve("D", "j1", 80)
+    first, again = run_many(conn, [call, call], merge=True)
+    assert first.status is again.status is Admission.ADMIT and first.tokens == again.tokens == 10
+    assert budget.dataset_state(conn, "D").reserved == 10  # the second found it held: idempotent
