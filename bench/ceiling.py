@@ -10,7 +10,7 @@ and after, the benchmark reads that server's INFO: ``cpu`` (used_cpu_user + used
 everything the server spent, event loop and cron included), ``commandstats`` (usec inside
 commands only), ``stats`` (total_reads_processed ~ round trips, total_net_input_bytes /
 total_net_output_bytes), per prompt. Here the worker processes (~1 ms of Python per prompt)
-share two cores with the producer, the simulator and Redis, so Redis runs 5-10% busy: it sleeps
+share two cores with the producer, the simulator and Redis, so Redis runs 12-15% busy: it sleeps
 between nearly every round trip and pays a wake-up, a read and a write for each, and the
 workers' calls merge little. 1e6 / (us per prompt) of such a run understates what one core
 carries when busy.
