@@ -147,7 +147,7 @@ def enqueue_prompts(conn, n: int, result_ttl: int, batch: int) -> None:
 
 
 def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int, batch: int = 256) -> list[tuple[str, float]]:
-    """Redis CPU us per prompt of each step of a prompt's way, the real calls in pipelines of 256:
+    """Redis CPU us per prompt of each step of a prompt's way, the real calls in pipelines of ``batch``:
     one EVALSHA per call (``merge`` False), or a pipeline's calls of the dataset merged into one
     (what the worker's Batcher does; how many merge depends on the load)."""
     from producer.collector import Collector

@@ -201,8 +201,8 @@ def requeue(ds: str, member: str, job_id: str, reason: Stat = Stat.REQUEUED,
         lambda r: bool(int(r)))
 
 
-# finish.lua's registries, by the KEYS index it is given them at
-_REGISTRY_INDEX = {Ending.FINISHED: 2, Ending.FAILED: 3, Ending.CANCELED: 4}
+# finish.lua's registries, in the order of its KEYS 2, 3, 4
+_REGISTRIES = (Ending.FINISHED, Ending.FAILED, Ending.CANCELED)
 
 
 def result_ttl(c: Claimed, ending: Ending) -> int:
@@ -224,10 +224,10 @@ def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str
     error = end.error
     return ScriptCall(
         "finish",
-        [keys.rq_wip_key(ds), *(keys.rq_registry_key(ds, e) for e in _REGISTRY_INDEX), keys.stats_key(ds)],
+        [keys.rq_wip_key(ds), *(keys.rq_registry_key(ds, e) for e in _REGISTRIES), keys.stats_key(ds)],
         [keys.RQ_JOB_PREFIX, keys.RQ_RESULTS_PREFIX, worker_name, RESULT_STREAM_MAXLEN,
          # the item: this job's end
-         c.member, c.job_id, end.ending.value, _REGISTRY_INDEX[end.ending], utcformat(now),
+         c.member, c.job_id, end.ending.value, 2 + _REGISTRIES.index(end.ending), utcformat(now),
          f"{now.timestamp() + ttl:.3f}", ttl, result_type,
          b64encode(json.dumps(end.result).encode()).decode() if end.result is not None else "",
          b64encode(zlib.compress(error.encode())).decode() if error else "",

@@ -58,6 +58,11 @@ class ScriptCall(Generic[T]):
     shared: int | None = None
 
     @property
+    def _argv(self) -> list[Any]:
+        """EVALSHA's arguments for this call on its own."""
+        return [SCRIPTS[self.script].sha, len(self.keys), *self.keys, *self.args]
+
+    @property
     def _merge_key(self) -> tuple | None:
         if self.shared is None:
             return None
@@ -98,16 +103,16 @@ def _evalshas(calls: list[ScriptCall], merge: bool) -> list[_Evalsha]:
             e.calls.append(c)
             e.at.append(i)
             continue
-        e = _Evalsha(c.script, [SCRIPTS[c.script].sha, len(c.keys), *c.keys, *c.args], [c], key is not None, [i])
+        e = _Evalsha(c.script, c._argv, [c], key is not None, [i])
         out.append(e)
         if key is not None:
             groups[key] = e
     return out
 
 
-def _answers(calls: list[ScriptCall], evalshas: list[_Evalsha], raws: list[Any]) -> list[Any]:
-    """The raw reply of each call, in the order of ``calls``."""
-    out: list[Any] = [None] * len(calls)
+def _answers(n: int, evalshas: list[_Evalsha], raws: list[Any]) -> list[Any]:
+    """The raw reply of each of the ``n`` calls, in their order."""
+    out: list[Any] = [None] * n
     for e, raw in zip(evalshas, raws, strict=True):
         for i, r in zip(e.at, e.spread(raw), strict=True):
             out[i] = r
@@ -123,22 +128,20 @@ def _one(call: ScriptCall[T], raw: Any) -> T:
 
 def run(client: redis.Redis | redis.client.Pipeline, call: ScriptCall[T]) -> T:
     """Run one call on a blocking client; (re)loads the script if Redis lost it (restart)."""
-    argv = [SCRIPTS[call.script].sha, len(call.keys), *call.keys, *call.args]
     try:
-        raw = client.evalsha(*argv)
+        raw = client.evalsha(*call._argv)
     except NoScriptError:
         client.script_load(SCRIPTS[call.script].source)
-        raw = client.evalsha(*argv)
+        raw = client.evalsha(*call._argv)
     return _one(call, raw)
 
 
 async def arun(client: aredis.Redis, call: ScriptCall[T]) -> T:
-    argv = [SCRIPTS[call.script].sha, len(call.keys), *call.keys, *call.args]
     try:
-        raw = await client.evalsha(*argv)
+        raw = await client.evalsha(*call._argv)
     except NoScriptError:
         await client.script_load(SCRIPTS[call.script].source)
-        raw = await client.evalsha(*argv)
+        raw = await client.evalsha(*call._argv)
     return _one(call, raw)
 
 
@@ -157,7 +160,7 @@ def run_many(client: redis.Redis, calls: list[ScriptCall], merge: bool = False) 
         again = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)]
         for i, r in zip(again, _pipe(client, [evalshas[i] for i in again]), strict=True):
             raws[i] = r
-    return [_parse(c, r) for c, r in zip(calls, _answers(calls, evalshas, raws), strict=True)]
+    return [_parse(c, r) for c, r in zip(calls, _answers(len(calls), evalshas, raws), strict=True)]
 
 
 def _pipe(client: redis.Redis, evalshas: list[_Evalsha]) -> list[Any]:
@@ -235,7 +238,7 @@ class Batcher:
                 again = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)]
                 for i, r in zip(again, await self._apipe([evalshas[i] for i in again]), strict=True):
                     raws[i] = r
-            raws = _answers(calls, evalshas, raws)
+            raws = _answers(len(calls), evalshas, raws)
         except BaseException as exc:  # connection lost: every caller in the batch sees it
             for _, fut in batch:
                 if not fut.done():

@@ -25,6 +25,14 @@ local ITEM = 16
 local registry = {[2] = {}, [3] = {}, [4] = {}}  -- KEYS index -> {score, member, ...}
 local stats = {}
 
+-- Optional fields go into a HSET / XADD argument list only when there is a value.
+local function put(fields, name, value)
+  if value ~= '' then
+    fields[#fields + 1] = name
+    fields[#fields + 1] = value
+  end
+end
+
 local function finish(a)
   if redis.call('ZREM', KEYS[1], a[1]) == 0 then
     return 0
@@ -43,14 +51,8 @@ local function finish(a)
   -- saves an EXISTS; the HSET that follows keeps the expiry. One HSET for every field.
   if redis.call('EXPIRE', job_key, ttl) == 1 then
     local fields = {'status', a[3], 'ended_at', a[5]}
-    if a[14] ~= '' then
-      fields[#fields + 1] = 'exc_info'
-      fields[#fields + 1] = a[14]
-    end
-    if a[15] ~= '' then
-      fields[#fields + 1] = 'meta'
-      fields[#fields + 1] = a[15]
-    end
+    put(fields, 'exc_info', a[14])
+    put(fields, 'meta', a[15])
     redis.call('HSET', job_key, unpack(fields))
     local members = registry[tonumber(a[4])]
     members[#members + 1] = a[6]
@@ -59,14 +61,8 @@ local function finish(a)
   if a[8] ~= '0' then
     local fields = {'type', a[8], 'worker_name', ARGV[3], 'execution_id', a[11],
                     'execution_started_at', a[12], 'execution_ended_at', a[13]}
-    if a[9] ~= '' then
-      fields[#fields + 1] = 'return_value'
-      fields[#fields + 1] = a[9]
-    end
-    if a[10] ~= '' then
-      fields[#fields + 1] = 'exc_string'
-      fields[#fields + 1] = a[10]
-    end
+    put(fields, 'return_value', a[9])
+    put(fields, 'exc_string', a[10])
     redis.call('XADD', results_key, 'MAXLEN', ARGV[4], '*', unpack(fields))
     redis.call('EXPIRE', results_key, ttl)
   end
