@@ -95,6 +95,8 @@ def render(snap: dict[str, Any]) -> RenderableType:
         f"  {tot['tok_s']:,.0f} tok/s  in flight {tot['in_flight']:,}",
         f"  workers {tot['workers']} ({tot['worker_slots']:,} slots)")
     parts: list[RenderableType] = [head, datasets_table(snap), workers_table(snap), endpoints_table(snap)]
+    if snap.get("diagnosis"):  # why the servers fail, in one line (shared/server_faults.py)
+        parts.insert(1, Text(snap["diagnosis"], style="bold red"))
     if snap["control"]:
         parts.append(control_table(snap))
     return Group(*parts)

@@ -14,12 +14,15 @@ from typing import Any, TextIO
 
 import redis
 
+from shared import server_faults
 from shared.config import Config
 from shared.status import dataset_snapshots, format_duration, server_now
 from shared.tokens import format_tokens
 
 log = logging.getLogger("budgetq.progress")
 BAR_REFRESH_S = 0.5
+FAULTS_EVERY_S = 5.0     # how often the servers' faults are read (shared/server_faults.py)
+FAULTS_REPEAT_S = 30.0   # an unchanged diagnosis is said again this often: a stall never looks quiet
 
 
 class ProgressReporter:
@@ -41,6 +44,8 @@ class ProgressReporter:
         self._progress: Any = None
         self._tasks: dict[str, Any] = {}
         self._rehomed: list[tuple[logging.StreamHandler, TextIO]] = []
+        self._faults_read = float("-inf")
+        self._said: tuple[str | None, float] = (None, float("-inf"))
 
     def _read(self) -> list[dict[str, Any]] | None:
         try:
@@ -50,6 +55,7 @@ class ProgressReporter:
             return None
 
     def update(self, force: bool = False) -> None:
+        self._servers(time.monotonic(), force)
         if self.mode == "off" or not self.names:
             return
         now = time.monotonic()
@@ -64,6 +70,25 @@ class ProgressReporter:
         else:
             for d in snaps:
                 self._log_line(d)
+
+    def _servers(self, now: float, force: bool = False) -> None:
+        """Say in one line why the servers fail (``2/2 servers failing: HTTP 500 text/html``): when
+        it starts, when it changes, every FAULTS_REPEAT_S while it lasts, and when it ends."""
+        if not force and now - self._faults_read < FAULTS_EVERY_S:
+            return
+        self._faults_read = now
+        try:
+            line = server_faults.diagnose(self.conn)
+        except redis.RedisError as exc:
+            log.debug("progress: cannot read server faults: %s", exc)
+            return
+        said, at = self._said
+        if line is not None and (line != said or now - at >= FAULTS_REPEAT_S):
+            log.warning("%s", line)
+            self._said = (line, now)
+        elif line is None and said is not None:
+            log.warning("servers answer again")
+            self._said = (None, now)
 
     def close(self) -> None:
         """A last update (every dataset's final numbers), then release the terminal."""

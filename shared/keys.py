@@ -94,6 +94,12 @@ def worker_key(name: str) -> str:
     return f"{PREFIX}:worker:{name}"
 
 
+def server_faults_key(name: str) -> str:
+    """String (JSON): url -> that worker's fault counts by reason for the endpoint, its health and the
+    times of its last fault and last success (shared/server_faults.py). Same TTL as worker_key."""
+    return f"{PREFIX}:faults:{name}"
+
+
 def queue_name(ds: str) -> str:
     """RQ queue name of a dataset."""
     return f"{QUEUE_PREFIX}{ds}"

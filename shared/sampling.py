@@ -2,11 +2,15 @@
 
 Why: SGLang's chat route fills the unset ones of temperature, top_p, top_k, min_p and
 repetition_penalty from the model's generation_config.json (``--sampling-defaults model``,
-``ModelConfig.get_default_sampling_params``); ``/generate`` never does. So budgetq sends all
-five explicitly on both APIs, resolved once by the producer in this order: the dataset's
-``sampling`` block, else the model's generation_config.json next to ``server.tokenizer``
-(when budgetq can read it), else SGLang's own neutral default. The same dataset then samples
-the same way in ``chat`` and ``generate`` mode, and out/<ds>.meta.json records the values used.
+``ModelConfig.get_default_sampling_params``); ``/generate`` never does. So the producer resolves
+each field once, in this order: the dataset's ``sampling`` block, else the model's
+generation_config.json next to ``server.tokenizer`` (when budgetq can read it); a field neither
+gives stays unset (out/<ds>.meta.json records the values used, null for unset).
+
+The worker then sends (``explicit``): to SGLang, all five, an unset one as SGLang's own neutral
+default, so the same dataset samples the same way in ``chat`` and ``generate`` mode; to any
+other OpenAI-style server (llama.cpp, vLLM, ...), only the fields that are set: SGLang's
+defaults are not everyone's (llama.cpp refuses ``top_k: -1`` with a validation error).
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def generation_defaults(tokenizer: str | None) -> tuple[dict[str, Any], str]:
 
 def resolve(sp: SamplingParams, model_defaults: dict[str, Any],
             source: str = "") -> tuple[SamplingParams, dict[str, str]]:
-    """``sp`` with every parity field set, and where each value came from (for the log)."""
+    """``sp`` with every parity field the config or the model sets, and where each came from (for
+    the log); the others stay None (the worker fills SGLang's neutral value for SGLang only)."""
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, neutral in NEUTRAL.items():
@@ -124,13 +129,15 @@ def resolve(sp: SamplingParams, model_defaults: dict[str, Any],
         elif key in model_defaults:
             values[key], origin[key] = model_defaults[key], source or "model generation_config.json"
         else:
-            values[key], origin[key] = neutral, "SGLang default"
+            values[key], origin[key] = None, f"unset: the server's default, SGLang's is {neutral}"
     return sp.model_copy(update=values), origin
 
 
-def explicit(sp: SamplingParams) -> dict[str, Any]:
-    """The parity fields of ``sp`` with SGLang's neutral default for any left unset (a job
-    enqueued by hand): what the worker sends, on both APIs."""
+def explicit(sp: SamplingParams, sglang: bool = True) -> dict[str, Any]:
+    """The parity fields the worker sends: to SGLang all of them, SGLang's neutral default for any
+    left unset; to another server only the ones that are set."""
+    if not sglang:
+        return {k: getattr(sp, k) for k in NEUTRAL if getattr(sp, k) is not None}
     return {k: (getattr(sp, k) if getattr(sp, k) is not None else v) for k, v in NEUTRAL.items()}
 
 

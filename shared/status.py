@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import redis
 from rq.registry import FailedJobRegistry
 
-from shared import jobs, keys
+from shared import jobs, keys, server_faults
 from shared.budget import DatasetState, dataset_state
 from shared.config import Config
 from shared.logs import redact_url
@@ -242,6 +242,7 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
     now = server_now(conn)
     datasets = dataset_snapshots(conn, dataset_names(conn), now, history_s)
     workers = worker_snapshots(conn, now)
+    faults = server_faults.read(conn)  # per endpoint, by reason; the one-line why of a stalled fleet
     return {
         "schema": SCHEMA_VERSION,
         "generated_at": round(now, 3),
@@ -261,5 +262,7 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
         "datasets": datasets,
         "workers": workers,
         "endpoints": endpoint_summary(workers, server_urls),
+        "server_faults": [v.to_json() for v in faults],
+        "diagnosis": server_faults.diagnosis(faults),
         "control": control_entries(conn, control_n),
     }

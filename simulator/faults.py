@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from http import HTTPStatus
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -29,6 +30,9 @@ class Faults(BaseModel):
     drop_after_tokens: int | None = Field(default=None, ge=0)
     context_length: int = Field(default=32768, gt=1)
     down: bool = False
+    # A reverse proxy (nginx) in front of a dead server: every route, /health too, answers this
+    # status with an HTML page instead of JSON. None = off.
+    proxy_error: int | None = Field(default=None, ge=400, le=599)
 
     @field_validator("error_codes")
     @classmethod
@@ -37,6 +41,13 @@ class Faults(BaseModel):
         if bad:
             raise ValueError(f"error codes must be HTTP 4xx/5xx statuses, got {bad}")
         return codes
+
+
+def proxy_page(status: int) -> str:
+    """The error page nginx shows for ``status`` (its default page layout)."""
+    title = f"{status} {HTTPStatus(status).phrase}" if status in HTTPStatus._value2member_map_ else str(status)
+    return (f"<html>\r\n<head><title>{title}</title></head>\r\n<body>\r\n<center><h1>{title}</h1></center>\r\n"
+            "<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n")
 
 
 def parse_codes(text: str) -> list[int]:

@@ -4,9 +4,12 @@ What SGLang does, and where (sglang/srt in the pinned wheel):
 - The server's ceiling: ``--return-hidden-states-mode {last,full}`` or the legacy
   ``--enable-return-hidden-states`` (= full) (arg_groups/fields/exec_.py;
   model_executor/forward_batch_info.py ``get_server_return_hidden_states_mode``).
-- A request's mode: ``true`` = full, ``"last"``, ``false`` = none; anything else is a
-  ValueError (managers/schedule_batch.py ``get_return_hidden_states_mode``). A batch may give a
-  list, one per input (managers/io_struct.py ``_normalize_return_hidden_states``).
+- A request's mode over HTTP: ``true`` = full, ``false`` (or null) = none, or a list of those,
+  one per input of a batch. The /generate JSON contract gate (entrypoints/api_contract.py,
+  api/v1/api_types.py ``decode_BoolOrList``) refuses anything else before the request is served,
+  the string ``"last"`` included: 400 ``{"error": "invalid type: string \"last\", expected a value
+  or an array of values for BoolOrList"}``. (The Python dataclass behind it would take ``"last"``,
+  managers/schedule_batch.py ``get_return_hidden_states_mode``; only an in-process engine gets there.)
 - A mode above the server's is a ValueError, i.e. HTTP 400 ``{"error": {"message"}}``
   (managers/tokenizer_manager.py, the request validation before ``_create_tokenized_object``).
 - Full mode: the prefill appends one ``[prompt_len][hidden]`` block, each decode step one
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from simulator.runner import BadRequest
+from simulator.sampling import unexpected
 
 # Request mode -> rank, as SGLang's CaptureHiddenMode orders them (NULL < LAST < FULL).
 _RANK = {None: 0, "last": 1, "full": 2}
@@ -43,6 +47,22 @@ def exceeds(server_mode: str | None) -> str:
             "return_hidden_states=True.")
 
 
+def check_contract(value: Any) -> None:
+    """The HTTP JSON contract gate (api/v1/api_types.py ``decode_BoolOrList``, run by
+    entrypoints/api_contract.py before the request is served): a boolean or an array of booleans.
+    So over HTTP the string ``"last"`` is refused here with serde's wording, before the Python
+    dataclass (which would take it) sees it; null means unset."""
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, list):
+        for v in value:
+            if not isinstance(v, bool):
+                raise BadRequest(f"invalid type: {unexpected(v)}, expected a boolean", kind="contract")
+        return
+    raise BadRequest(f"invalid type: {unexpected(value)}, expected a value or an array of values for BoolOrList",
+                     kind="contract")
+
+
 def _one(value: Any) -> str | None:
     if value is True:
         return "full"
@@ -55,7 +75,8 @@ def _one(value: Any) -> str | None:
 
 def request_modes(body: dict, n: int, server_mode: str | None) -> list[str | None]:
     """Per input: None, "last" or "full"; 400 with SGLang's messages when the server does not allow it."""
-    value = body.get("return_hidden_states", False)
+    value = body.get("return_hidden_states")
+    value = False if value is None else value
     if isinstance(value, list):
         if len(value) != n:
             raise BadRequest("The length of return_hidden_states should be equal to the batch size.")

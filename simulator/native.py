@@ -97,11 +97,16 @@ class NativeRoutes:
             if not batch and isinstance(body.get("rid"), list):
                 raise BadRequest("rid must be a string for a single input")
             sps = _per_item(body.get("sampling_params"), n, "sampling_params", dict)
-            try:
-                for sp in sps:
-                    check_contract(sp or {})
-            except SamplingError as exc:
-                raise BadRequest(str(exc), kind="contract") from exc
+            # The JSON contract gate decodes the body's fields in their order: the first violation wins.
+            for key in body:
+                if key == "sampling_params":
+                    try:
+                        for sp in sps:
+                            check_contract(sp or {})
+                    except SamplingError as exc:
+                        raise BadRequest(str(exc), kind="contract") from exc
+                elif key == "return_hidden_states":
+                    hidden.check_contract(body[key])
             modes = hidden.request_modes(body, n, self.s.return_hidden_states_mode)
             if (err := self.runner.injected_error()) is not None:
                 raise err
@@ -172,11 +177,14 @@ def _output(rec: RequestRecord, tokens: int, cap: int, final: bool) -> dict:
         return {"text": text, "output_ids": ids,
                 "meta_info": {"id": rec.rid, "finish_reason": finish_json(rec, cap), "weight_version": WEIGHT_VERSION,
                               "e2e_latency": end - rec.arrived, "completion_tokens": tokens}}
-    # tokenizer_manager._handle_batch_output's keys, in its order (no dp_rank: one DP rank).
+    # tokenizer_manager._handle_batch_output's keys, in its order. dp_rank is there with one DP rank
+    # too: the scheduler's output (output_streamer.py ``to_payload``) carries [dp_rank] * n, a
+    # non-empty list, so ``meta_info["dp_rank"]`` is set (0 here; hidden_states, when asked, come
+    # before it on SGLang and after it here).
     meta: dict[str, Any] = {"id": rec.rid, "finish_reason": finish_json(rec, cap) if final else None,
             "prompt_tokens": rec.prompt_tokens, "weight_version": WEIGHT_VERSION, "num_retractions": 0,
             "reasoning_tokens": min(tokens, rec.reasoning_target), "completion_tokens": tokens,
-            "cached_tokens": rec.cached_tokens}
+            "cached_tokens": rec.cached_tokens, "dp_rank": 0}
     if final:
         meta["e2e_latency"] = end - rec.arrived
         meta["response_sent_to_client_ts"] = now

@@ -38,7 +38,7 @@ class SamplingError(ValueError):
         self.contract = contract
 
 
-def _unexpected(v: object) -> str:
+def unexpected(v: object) -> str:
     # serde's `Unexpected` wording, which the contract gate reproduces.
     if v is None:
         return "null"
@@ -56,7 +56,7 @@ def _unexpected(v: object) -> str:
 def check_contract(params: object) -> None:
     """/generate's JSON gate over one ``sampling_params`` object: keys and JSON types."""
     if not isinstance(params, dict):
-        raise SamplingError(f"invalid type: {_unexpected(params)}, expected struct SamplingParams", contract=True)
+        raise SamplingError(f"invalid type: {unexpected(params)}, expected struct SamplingParams", contract=True)
     for key, v in params.items():
         if key not in CONTRACT_FIELDS:
             listed = ", ".join(f"`{f}`" for f in CONTRACT_FIELDS)
@@ -64,13 +64,13 @@ def check_contract(params: object) -> None:
         if v is None:
             continue
         if key in _INTS and (isinstance(v, bool) or not isinstance(v, int)):
-            raise SamplingError(f"invalid type: {_unexpected(v)}, expected i64", contract=True)
+            raise SamplingError(f"invalid type: {unexpected(v)}, expected i64", contract=True)
         if key in _FLOATS and (isinstance(v, bool) or not isinstance(v, int | float)):
-            raise SamplingError(f"invalid type: {_unexpected(v)}, expected f64", contract=True)
+            raise SamplingError(f"invalid type: {unexpected(v)}, expected f64", contract=True)
         if key in _BOOLS and not isinstance(v, bool):
-            raise SamplingError(f"invalid type: {_unexpected(v)}, expected a boolean", contract=True)
+            raise SamplingError(f"invalid type: {unexpected(v)}, expected a boolean", contract=True)
         if key in _STRS and not isinstance(v, str):
-            raise SamplingError(f"invalid type: {_unexpected(v)}, expected a string", contract=True)
+            raise SamplingError(f"invalid type: {unexpected(v)}, expected a string", contract=True)
 
 
 def verify(params: dict) -> None:

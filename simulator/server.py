@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from simulator import metrics
-from simulator.faults import FaultInjector, Faults
+from simulator.faults import FaultInjector, Faults, proxy_page
 from simulator.model import Engine, SimSettings
 from simulator.native import NativeRoutes
 from simulator.oai_routes import OpenAIRoutes
@@ -66,10 +66,14 @@ class SimServer:
 
     @web.middleware
     async def _gate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """The down switch (503 everywhere, /health too) and the API key, before any route."""
+        """The proxy-error and down switches (every route, /health too) and the API key, before any route."""
         path = request.path
         if path.startswith("/sim/"):
             return await handler(request)
+        proxy = self.faults.faults.proxy_error
+        if proxy is not None:  # a reverse proxy in front of a dead server: its HTML error page, everywhere
+            self.faults.count(f"proxy_{proxy}")
+            return web.Response(status=proxy, content_type="text/html", text=proxy_page(proxy))
         if self.faults.faults.down:
             self.faults.count("down")
             if path.startswith("/v1/"):

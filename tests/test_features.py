@@ -167,10 +167,13 @@ def test_simulator_answers_like_sglang(sim_factory):
     assert status == 400 and out == {"error": {"message": NOT_ENABLED}}
     status, out = post(last, body)
     assert status == 400 and "exceeds the server maximum `last`" in out["error"]["message"]
+    # Over HTTP the JSON contract gate takes booleans only (api/v1/api_types.py decode_BoolOrList):
+    # "last" is refused before the server's own mode check.
     status, out = post(last, {**body, "return_hidden_states": "last"})
-    assert status == 200 and np.array(out["meta_info"]["hidden_states"]).shape == (8,)
-    status, out = post(on, {**body, "return_hidden_states": "all"})
-    assert status == 400 and "boolean or the string literal 'last'" in out["error"]["message"]
+    assert (status, out) == (400, {"error": 'invalid type: string "last", expected a value or an array of values '
+                                            'for BoolOrList'})
+    status, out = post(on, {**body, "return_hidden_states": [1]})
+    assert (status, out) == (400, {"error": "invalid type: integer `1`, expected a boolean"})
 
 
 def _meta(pid: str, n: int) -> tuple[FeaturesMeta, bytes]:

@@ -101,6 +101,11 @@ def test_turn_rids_are_fresh_and_never_a_prefix_of_another():
 # -- the request loop against a server that records what it gets -----------------------------
 
 
+async def _sglang_info(_request: web.Request) -> web.Response:
+    """SGLang's /server_info has internal_states: the client treats this mock as SGLang."""
+    return web.json_response({"internal_states": []})
+
+
 async def _ok(_request: web.Request) -> web.Response:
     return web.Response()
 
@@ -108,7 +113,7 @@ async def _ok(_request: web.Request) -> web.Response:
 async def _serve(handler, body, api: str = "chat", tokenizer: str | None = None) -> None:
     app = web.Application()
     app.add_routes([web.post("/v1/chat/completions", handler), web.post("/generate", handler),
-                    web.get("/health", _ok)])
+                    web.get("/health", _ok), web.get("/server_info", _sglang_info)])
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()

@@ -47,6 +47,11 @@ def _chat(finish: str, n: int = 5) -> dict:
         "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
 
 
+async def _sglang_info(_request: web.Request) -> web.Response:
+    """SGLang's /server_info has internal_states: the client treats this mock as SGLang."""
+    return web.json_response({"internal_states": []})
+
+
 async def _ok(_request: web.Request) -> web.Response:
     return web.Response()
 
@@ -55,7 +60,7 @@ async def _with_server(routes: dict[str, Handler], body: Callable[[str, SGLangCl
                        api: str = "generate", **server) -> None:
     app = web.Application()
     app.add_routes([web.post(path, h) for path, h in routes.items()] +
-                   [web.get("/health", _ok)])
+                   [web.get("/health", _ok), web.get("/server_info", _sglang_info)])
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -222,8 +227,10 @@ def test_unset_sampling_comes_from_the_models_generation_config_in_both_modes(tm
     defaults, source = generation_defaults(str(tmp_path))
     assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95} and source.endswith("generation_config.json")
     sp, origin = resolve(SamplingParams(temperature=0.2), defaults, source)
-    assert (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repetition_penalty) == (0.2, 20, 0.95, 0.0, 1.0)
-    assert origin["temperature"] == "config" and origin["min_p"] == "SGLang default"
+    # Neither the config nor the model sets min_p / repetition_penalty: they stay unset (the worker
+    # sends SGLang its neutral value for them, another server nothing).
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repetition_penalty) == (0.2, 20, 0.95, None, None)
+    assert origin["temperature"] == "config" and origin["min_p"].startswith("unset")
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(json.dumps({"server": {"tokenizer": str(tmp_path)},
                                     "datasets": [{"name": "A", "path": "a.jsonl", "budget": "1M"}]}))

@@ -16,9 +16,17 @@ endpoint leaves or joins. Each worker process balances its own requests; summed 
 the loads stay within the same bound.
 
 An endpoint that fails ``eject_after_failures`` times in a row is taken out; a probe then
-asks its /health every ``health_interval_s`` and puts it back once it answers 200. When
+asks its /health every ``health_interval_s`` and puts it back once it answers 200 (a server
+with no /health, such as llama.cpp's OpenAI server, answers 404 there: then /v1/models
+answering 200 is the sign of life). When
 no endpoint is healthy, requests wait here (without spending their retry attempts) and
 the worker logs it once, plainly, instead of failing every job.
+
+Each endpoint also counts its faults by reason (shared/server_faults.py): the worker publishes
+them, and ``budgetq status`` / ``produce`` say in one line why a fleet makes no progress.
+
+Whether an endpoint is SGLang (``Endpoint.sglang``) is asked once, from /server_info: only
+SGLang gets SGLang's own fields and defaults (rid, top_k -1, ...; worker/sglang_wire.py).
 """
 
 from __future__ import annotations
@@ -32,11 +40,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from shared import server_faults
 from shared.config import ServerConfig
 from shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.endpoints")
 _SLACK = 2   # requests an endpoint may hold over prefix_balance x the least-loaded one's
+_DETECT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 
 @dataclass
@@ -53,6 +63,9 @@ class Endpoint:
     weight: float = 1.0
     prompt_tokens: int = 0      # of answered requests
     cached_tokens: int = 0      # of those, found in the server's prefix cache
+    faults: server_faults.EndpointFaults = field(default_factory=server_faults.EndpointFaults)
+    # None until asked (/server_info); True for SGLang (or api: generate, SGLang's own route).
+    sglang: bool | None = None
     _probe: asyncio.Task | None = field(default=None, repr=False)
     _seed: bytes = field(default=b"", repr=False)
 
@@ -121,12 +134,46 @@ class EndpointPool:
     async def wait_healthy(self) -> None:
         if not self._any_healthy.is_set() and time.monotonic() - self._down_logged_at > 30:
             self._down_logged_at = time.monotonic()
-            log.error("all SGLang endpoints are down (%s); waiting for one to answer /health",
-                      ", ".join(e.url for e in self.endpoints))
+            log.error("all SGLang endpoints are down (%s); waiting for one to answer its health check",
+                      ", ".join(f"{e.url}: {e.faults.last_reason or 'failing'}" for e in self.endpoints))
         await self._any_healthy.wait()
 
     def success(self, ep: Endpoint) -> None:
         ep.failures = 0
+
+    def fault(self, ep: Endpoint, reason: str, message: str = "") -> None:
+        """Count one failed answer (or none) from ``ep`` by reason; health is ``failure``'s business."""
+        ep.faults.fault(reason, message)
+
+    def answered(self, ep: Endpoint) -> None:
+        """``ep`` gave a usable answer: its faults are history, not its present."""
+        ep.faults.ok()
+
+    async def is_sglang(self, ep: Endpoint) -> bool | None:
+        """Whether ``ep`` is SGLang, asked once: its /server_info (SGLang's server args, with
+        ``internal_states`` per DP rank) answers a JSON object. Unknown (None) while it cannot be
+        reached; api: generate is SGLang's own route, so always True there."""
+        if self._server.api == "generate":
+            ep.sglang = True
+        if ep.sglang is not None:
+            return ep.sglang
+        try:
+            async with self.session.get(ep.url + "/server_info", headers=self.headers, timeout=_DETECT_TIMEOUT) as resp:
+                if resp.status in (404, 405):
+                    ep.sglang = False
+                elif resp.status == 200:
+                    try:
+                        info = await resp.json(content_type=None)
+                    except ValueError:
+                        info = None
+                    ep.sglang = isinstance(info, dict) and ("internal_states" in info or "tp_size" in info)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("endpoint %s: cannot ask /server_info yet: %s", ep.url, exc)
+            return None
+        if ep.sglang is False:
+            log.warning("endpoint %s is not SGLang (no /server_info): sending only standard OpenAI fields and the "
+                        "sampling values set in the config or the model's generation_config.json", ep.url)
+        return ep.sglang
 
     def failure(self, ep: Endpoint, reason: str) -> None:
         ep.failures += 1
@@ -145,13 +192,24 @@ class EndpointPool:
             await asyncio.sleep(self._server.health_interval_s)
             try:
                 async with self.session.get(ep.url + "/health", headers=self.headers, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        break
+                    status = resp.status
+                    await resp.read()
+                if status in (404, 405):  # no /health here (llama.cpp's server): is it serving models?
+                    async with self.session.get(ep.url + "/v1/models", headers=self.headers, timeout=timeout) as resp:
+                        status = resp.status
+                        await resp.read()
+                if status == 200:
+                    break
             except (aiohttp.ClientError, TimeoutError):
                 continue
         ep.healthy, ep.failures, ep.ejected_since, ep._probe = True, 0, None, None
+        ep.faults.ok()  # it answers again: its faults are history until the next one
         self._any_healthy.set()
-        log.warning("endpoint %s answers /health again: back in rotation", ep.url)
+        log.warning("endpoint %s answers its health check again: back in rotation", ep.url)
+
+    def faults_snapshot(self) -> dict[str, dict]:
+        """What the worker publishes for shared/server_faults.py: url -> counts, health, last fault/success."""
+        return {e.url: e.faults.to_json(e.healthy) for e in self.endpoints}
 
     def snapshot(self) -> dict[str, dict]:
         return {e.url: e.snapshot() for e in self.endpoints}

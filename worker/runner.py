@@ -28,7 +28,7 @@ import aiohttp
 import redis.asyncio as aredis
 from rq import Worker
 
-from shared import jobs, keys
+from shared import jobs, keys, server_faults
 from shared.config import Config
 from shared.errors import BudgetqError
 from shared.maintenance import Maintenance
@@ -229,6 +229,7 @@ class ConcurrentWorker:
             p.hset(keys.worker_key(self.name), mapping=fields)
             p.expire(keys.worker_key(self.name), self.ttl * 2)
             p.sadd(keys.WORKERS, self.name)
+            server_faults.publish(p, self.name, self.client.pool.faults_snapshot(), self.ttl * 2)
             await p.execute()
 
     # -- shutdown ------------------------------------------------------------------------

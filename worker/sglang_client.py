@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import aiohttp
 
+from shared import server_faults
 from shared.config import ServerConfig
 from shared.errors import (
     AbortedResponseError,
@@ -32,6 +33,7 @@ from worker.sglang_wire import (
     attempt_rid,
     build_request,
     error_message,
+    invalid_request,
     parse_response,
     prefill_body,
 )
@@ -85,7 +87,7 @@ class SGLangClient:
 
     def _abort_later(self, ep: Endpoint, rid: str) -> None:
         """Ask the server to stop ``rid`` now, in the background (never blocks a cancellation)."""
-        if not self._server.abort_on_cancel:
+        if not self._server.abort_on_cancel or ep.sglang is False:  # /abort_request is SGLang's own
             return
         task = asyncio.get_running_loop().create_task(self._abort(ep, rid))
         self._aborts.add(task)
@@ -115,8 +117,10 @@ class SGLangClient:
                                           timeout=self._timeout) as resp:
                 return await read(resp, started)
         except aiohttp.ClientConnectorError as exc:  # never reached the server: nothing to abort
+            self.pool.fault(ep, server_faults.transport_reason(exc), str(exc))
             raise RetryableRequestError(f"{ep.url}{path}: {type(exc).__name__}: {exc}") from exc
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            self.pool.fault(ep, server_faults.transport_reason(exc), str(exc))
             self._abort_later(ep, rid)
             raise RetryableRequestError(f"{ep.url}{path}: {type(exc).__name__}: {exc}") from exc
         except asyncio.CancelledError:
@@ -126,27 +130,48 @@ class SGLangClient:
             ep.in_flight -= 1
 
     async def _once(self, ep: Endpoint, payload: JobPayload, rid: str) -> Completion:
-        path, body = build_request(self._server, payload, rid)
+        sglang = await self.pool.is_sglang(ep)
+        path, body = build_request(self._server, payload, rid, sglang=sglang is not False)
 
         async def read(resp: aiohttp.ClientResponse, started: float) -> Completion:
             try:
                 data = await resp.json(content_type=None)
             except ValueError:
                 data = await resp.text()
-            return self._read(ep, path, resp.status, data, started)
+            return self._read(ep, path, resp.status, data, started, resp.content_type)
 
         return await self._post(ep, path, body, rid, read)
 
-    def _read(self, ep: Endpoint, path: str, status: int, data: object, started: float) -> Completion:
-        if status in RETRYABLE_STATUS:
-            raise RetryableRequestError(f"{ep.url}{path}: HTTP {status}: {error_message(data)}")
-        if status == 400 and _DUPLICATE_RID in error_message(data):
-            raise DuplicateRidError(f"{ep.url}{path}: HTTP 400: {error_message(data)}")
+    def _read(self, ep: Endpoint, path: str, status: int, data: object, started: float,
+              content_type: str | None = None) -> Completion:
+        """The answer's verdict: a result, or the error that says what to do with the prompt.
+
+        Every failed answer is counted by reason for its endpoint (shared/server_faults.py). One
+        whose body says the request itself is invalid (a validation error, even one a server
+        sends as a 500) fails the prompt with the server's message instead of being retried."""
+        message = " ".join(error_message(data).split())  # one line: it becomes the prompt's failure reason
+        if status == 400 and _DUPLICATE_RID in message:
+            raise DuplicateRidError(f"{ep.url}{path}: HTTP 400: {message}")
         if status >= 400:
-            raise FatalRequestError(f"{ep.url}{path}: HTTP {status}: {error_message(data)}")
+            invalid = invalid_request(status, data)
+            self.pool.fault(ep, server_faults.http_reason(status, content_type, invalid), message)
+            if status in RETRYABLE_STATUS and not invalid:
+                raise RetryableRequestError(f"{ep.url}{path}: HTTP {status}: {message}")
+            what = "the server refused the request as invalid" if invalid and status >= 500 else f"HTTP {status}"
+            raise FatalRequestError(f"{ep.url}{path}: {what}: {message}")
         if not isinstance(data, dict):
-            raise BadResponseError(f"{ep.url}{path}: response is not a JSON object: {str(data)[:300]}")
-        return parse_response(self._server.api, data, ep.url, started)
+            # A proxy's login or error page with status 200: transient as far as we can tell, and
+            # counted, so a fleet that only gets those says so instead of failing every prompt.
+            self.pool.fault(ep, server_faults.unreadable_reason(content_type), message)
+            raise RetryableRequestError(f"{ep.url}{path}: HTTP {status} answer is not a JSON object "
+                                        f"({server_faults.content_kind(content_type)}): {message[:300]}")
+        try:
+            out = parse_response(self._server.api, data, ep.url, started)
+        except BadResponseError as exc:
+            self.pool.fault(ep, "unexpected JSON answer", str(exc))
+            raise
+        self.pool.answered(ep)
+        return out
 
     async def complete(self, payload: JobPayload, job_id: str, turn: int = 1) -> Completion:
         """Send with retries (exponential backoff + jitter) on transient failures only.
@@ -252,7 +277,8 @@ class HiddenStatesClient(SGLangClient):
                     detail: object = json.loads(data)
                 except ValueError:
                     detail = data.decode(errors="replace")
-                self._read(ep, "/generate", resp.status, detail, started)  # raises the right error
+                self._read(ep, "/generate", resp.status, detail, started, resp.content_type)  # raises
+            self.pool.answered(ep)
             return RawResponse(data, ep.url, time.monotonic() - started)
 
         return await self._post(ep, "/generate", prefill_body(input_ids, rid), rid, read)

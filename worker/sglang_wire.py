@@ -86,19 +86,52 @@ def error_message(body: object) -> str:
     return str(body)[:500]
 
 
-def build_request(server: ServerConfig, payload: JobPayload, rid: str) -> tuple[str, dict]:
-    """Path and JSON body of one request, in SGLang's terms.
+# What a server's error body says when the request itself is refused (not a transient fault):
+# OpenAI's and SGLang's ``invalid_request_error`` / ``BadRequestError`` types, and the pydantic
+# validation text a FastAPI server wraps into a 500 (llama-cpp-python's RouteErrorHandler turns
+# a RequestValidationError into ``{"error": {"message": "[{'type': 'greater_than_equal', 'loc':
+# ('body', 'top_k'), 'msg': 'Input should be ...'}]", "type": "internal_server_error"}}``).
+_INVALID_TYPES = {"invalid_request_error", "badrequesterror", "validation_error", "invalid_request"}
+_INVALID_TEXT = re.compile(r"'loc': \('body'|\bvalidation errors? for\b|\bInput should be\b|"
+                           r"\bextra_forbidden\b|\bfield required\b", re.IGNORECASE)
 
-    Both APIs get the same explicit sampling (shared/sampling.py: SGLang's chat route would
-    otherwise fill unset fields from the model's generation_config, /generate would not).
+
+def invalid_request(status: int, body: object) -> bool:
+    """Whether an error answer says the request itself is invalid: retrying it cannot help."""
+    if status in (400, 413, 422):
+        return True
+    if not 400 <= status < 600:
+        return False
+    if isinstance(body, dict):
+        if isinstance(body.get("detail"), list):  # FastAPI's own 422 shape, behind a proxy that changed the status
+            return True
+        err = body.get("error", body)
+        if isinstance(err, dict) and str(err.get("type", "")).lower() in _INVALID_TYPES:
+            return True
+    return bool(_INVALID_TEXT.search(error_message(body)))
+
+
+def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: bool = True) -> tuple[str, dict]:
+    """Path and JSON body of one request, in SGLang's terms (``sglang``) or plain OpenAI ones.
+
+    SGLang gets the same explicit sampling on both APIs (shared/sampling.py: its chat route
+    would otherwise fill unset fields from the model's generation_config, /generate would not),
+    and its own fields (rid, max_completion_tokens). Another OpenAI-style server gets the
+    standard fields only, sampling fields only where set, and the token limit under both of
+    OpenAI's names: llama.cpp's server reads ``max_tokens`` (it ignores max_completion_tokens
+    and would generate to its context's end), newer servers ``max_completion_tokens``.
     """
     sp = payload.sampling
-    params: dict = dict(explicit(sp))
+    params: dict = dict(explicit(sp, sglang))
     if sp.stop is not None:
         params["stop"] = sp.stop
     if server.api == "chat":
-        body = {"model": server.model, "messages": [m.model_dump() for m in payload.messages],
-                "max_completion_tokens": sp.max_tokens, **params, "rid": rid, "stream": False}
+        body: dict = {"model": server.model, "messages": [m.model_dump() for m in payload.messages]}
+        if sglang:
+            body.update({"max_completion_tokens": sp.max_tokens, **params, "rid": rid, "stream": False})
+        else:
+            body.update({"max_tokens": sp.max_tokens, "max_completion_tokens": sp.max_tokens, **params,
+                         "stream": False})
         if sp.seed is not None:
             body["seed"] = sp.seed
         if payload.chat_template_kwargs:
