@@ -49,6 +49,24 @@ async def stream_error(request: web.Request, exc: BadRequest) -> web.StreamRespo
     return await close_sse(resp)
 
 
+async def stream_overload(request: web.Request, exc: BadRequest, rids: list, batch: bool) -> web.StreamResponse:
+    """Queue full on a streamed /generate: SGLang has already answered 200, so the scheduler's abort
+    (finish_reason with status_code 503) comes as the stream's one chunk, then [DONE]
+    (tokenizer_manager ``_handle_abort_req`` builds its meta_info; ``_handle_abort_finish_reason``
+    passes it through for a stream instead of raising; the finished path adds the sent time)."""
+    resp = await open_sse(request)
+    now = time.time()
+    for i, rid in enumerate(rids):
+        out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {
+            "id": rid or "", "finish_reason": {"type": "abort", "status_code": exc.status, "message": exc.message},
+            "weight_version": WEIGHT_VERSION, "e2e_latency": 0.0, "completion_tokens": 0,
+            "response_sent_to_client_ts": now}}
+        if batch:
+            out["index"] = i
+        await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
+    return await close_sse(resp)
+
+
 def _inputs(body: dict) -> tuple[list[str | list[int]], bool]:
     """(inputs, is_batch) from ``input_ids`` (preferred, as SGLang tokenizes nothing then) or ``text``."""
     ids = body.get("input_ids")
@@ -128,6 +146,8 @@ class NativeRoutes:
                 caps.append(cap)
             recs = await self.runner.start(items)
         except BadRequest as exc:
+            if body.get("stream") and exc.kind == "overload":
+                return await stream_overload(request, exc, rids, batch)
             if body.get("stream") and exc.status == 400:
                 return await stream_error(request, exc)
             return native_error(exc)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from http import HTTPStatus
 
 from aiohttp import web
 
@@ -42,6 +44,18 @@ def oai_error(exc: BadRequest) -> web.Response:
         kind = ERROR_TYPES.get(exc.status, "BadRequestError")
     body = {"object": "error", "message": exc.message, "type": kind, "param": None, "code": exc.status}
     return web.json_response(body, status=exc.status)
+
+
+async def stream_overload(request: web.Request, exc: BadRequest) -> web.StreamResponse:
+    """Queue full on a streamed chat: the abort carries an HTTPStatus, so serving_chat's stream loop
+    writes one error chunk, ``{"error": ErrorResponse}`` with type ``code.name`` and serialized by
+    ``json.dumps`` (spaces after separators, unlike the other chunks), then [DONE]
+    (serving_chat ``_generate_chat_stream``, serving_base ``create_streaming_error_response``)."""
+    resp = await open_sse(request)
+    error = {"object": "error", "message": exc.message, "type": HTTPStatus(exc.status).name, "param": None,
+             "code": exc.status}
+    await resp.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+    return await close_sse(resp)
 
 
 async def oai_body(request: web.Request) -> dict:
@@ -85,6 +99,7 @@ class OpenAIRoutes:
     # --- chat -----------------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        body: dict = {}
         try:
             body = await oai_body(request)
             messages = body.get("messages")
@@ -111,6 +126,8 @@ class OpenAIRoutes:
                 raise BadRequest(str(exc), kind="sampling") from exc
             [rec] = await self.runner.start([item])
         except BadRequest as exc:
+            if body.get("stream") and exc.kind == "overload":
+                return await stream_overload(request, exc)
             return oai_error(exc)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

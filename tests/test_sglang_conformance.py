@@ -192,3 +192,76 @@ def test_the_simulators_chat_route_refuses_what_sglangs_chat_refuses(params):
 
     status, resp = run_sim(scenario, speedup=1000, length_mean=5)
     assert (status, resp.get("message")) == ((200, None) if real is None else (400, real))
+
+
+# --- shapes the simulator mirrors: hidden-state gate, dp_rank, queue full -------------------------
+
+
+@pytest.mark.parametrize("value", ["last", "all", 1, 0.5, {"a": 1}, [1], [True, "last"], [True, False], True, None])
+def test_the_simulators_return_hidden_states_gate_is_sglangs(value):
+    """/generate's JSON contract gate takes a boolean or a list of booleans only: "last" is refused."""
+    from simulator import hidden
+    from simulator.runner import BadRequest
+
+    try:
+        sc.SGL.api_types.GenerateRequest.from_json_value({"text": "x", "return_hidden_states": value})
+        real = None
+    except sc.SGL.api_types.JsonContractError as exc:
+        real = str(exc)
+    try:
+        hidden.check_contract(value)
+        sim = None
+    except BadRequest as exc:
+        assert exc.kind == "contract"  # answered as {"error": "<text>"} (http_server.generate_request)
+        sim = exc.message
+    assert sim == real
+
+
+def _queue_full_sim(scenario):
+    run_sim(scenario, length_mean=10**6, length_sigma=0.0, context_length=10**7, max_running_requests=1,
+            max_queued_requests=1)
+
+
+def test_generate_meta_info_has_sglangs_keys_dp_rank_included():
+    async def scenario(c, u):
+        status, body = await post(c, u + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 3}})
+        assert status == 200
+        keys = list(body["meta_info"])
+        # tokenizer_manager._handle_batch_output: ..., cached_tokens, dp_rank (one DP rank: 0), e2e_latency, ...
+        assert keys[:9] == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+                            "reasoning_tokens", "completion_tokens", "cached_tokens", "dp_rank"]
+        assert body["meta_info"]["dp_rank"] == 0
+    run_sim(scenario, speedup=1000, length_mean=10)
+
+
+def test_queue_full_bodies_are_sglangs_on_both_apis_streamed_or_not():
+    from http import HTTPStatus
+
+    code = HTTPStatus.SERVICE_UNAVAILABLE
+    message = "The request queue is full."  # scheduler._abort_on_queued_limit
+    # Not streamed: HTTPException(503) -> the flat ErrorResponse with type str(status), on both routes
+    # (serving_base.handle_request for chat, the app's HTTPException handler for /generate).
+    flat = sc.SGL.protocol.ErrorResponse(object="error", message=message, type=str(code), code=code).model_dump()
+    # Streamed chat: serving_chat writes create_streaming_error_response(message, code.name, code.value).
+    chunk = json.dumps({"error": sc.SGL.protocol.ErrorResponse(object="error", message=message, type=code.name,
+                                                               param=None, code=code.value).model_dump()})
+
+    async def scenario(c, u):
+        long = {"text": "x", "sampling_params": {"max_new_tokens": 10**6}}
+        tasks = [asyncio.create_task(post(c, u + "/generate", long)) for _ in range(2)]
+        await until(c, u, lambda s: s["queued"] == 1)
+        assert await post(c, u + CHAT, {"messages": MSGS}) == (503, flat)
+        assert await post(c, u + "/generate", long) == (503, flat)
+        async with c.post(u + CHAT, json={"messages": MSGS, "stream": True}) as r:
+            assert r.status == 200 and await r.text() == f"data: {chunk}\n\ndata: [DONE]\n\n"
+        events = await sse(c, u + "/generate", {**long, "stream": True, "rid": "q1"})
+        assert events[-1] == "[DONE]" and len(events) == 2
+        meta = events[0]["meta_info"]
+        assert events[0]["text"] == "" and events[0]["output_ids"] == []
+        assert meta["id"] == "q1" and meta["finish_reason"] == {"type": "abort", "status_code": 503,
+                                                                 "message": message}
+        assert list(meta) == ["id", "finish_reason", "weight_version", "e2e_latency", "completion_tokens",
+                              "response_sent_to_client_ts"]  # tokenizer_manager._handle_abort_req + sent time
+        await post(c, u + "/abort_request", {"abort_all": True})
+        await asyncio.gather(*tasks)
+    _queue_full_sim(scenario)

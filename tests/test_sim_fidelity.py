@@ -257,8 +257,8 @@ def test_generate_meta_info_keys():
     async def scenario(c, u):
         _, body = await post(c, u + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 3}})
         assert set(body["meta_info"]) == {"id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
-                                          "reasoning_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
-                                          "response_sent_to_client_ts"}
+                                          "reasoning_tokens", "completion_tokens", "cached_tokens", "dp_rank",
+                                          "e2e_latency", "response_sent_to_client_ts"}
         assert body["meta_info"]["weight_version"] == "default" and body["meta_info"]["num_retractions"] == 0
     run_sim(scenario, speedup=1000, length_mean=10)
 
