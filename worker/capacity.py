@@ -20,7 +20,7 @@ Per endpoint, every ``capacity_interval_s``:
 This worker's limit is the sum of its shares over healthy endpoints; ``Capacity.apply`` resizes
 the worker's slots (``Slots.resize``) to it and weights each endpoint by its share, so least-loaded
 routing fills a large server more than a small one. An endpoint that cannot be read keeps its
-last share (a fresh one gets ``START``); an ejected endpoint gets none.
+last share (a fresh one gets ``START``), as does one that is not SGLang; an ejected endpoint gets none.
 """
 
 from __future__ import annotations
@@ -151,6 +151,9 @@ class Capacity:
         for ep in self.pool.endpoints:
             if not ep.healthy:
                 self.shares[ep.url] = 0
+                continue
+            if ep.sglang is False:  # no /server_info or /v1/loads to size from: a fixed share
+                self.shares.setdefault(ep.url, START)
                 continue
             try:
                 load = await self._read(ep)

@@ -167,6 +167,10 @@ class EndpointPool:
                     except ValueError:
                         info = None
                     ep.sglang = isinstance(info, dict) and ("internal_states" in info or "tp_size" in info)
+                elif resp.status < 500:  # there but refused (an admin key): SGLang's route, as before
+                    ep.sglang = True
+                else:  # a 5xx (a proxy's error page, a server still starting): ask again next time
+                    return None
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.debug("endpoint %s: cannot ask /server_info yet: %s", ep.url, exc)
             return None
