@@ -10,8 +10,9 @@ last fault and of its last success, and publishes them next to its status hash
 line: ``2/2 servers failing: HTTP 500 text/html``.
 
 An endpoint is *failing* when every live worker that uses it has it ejected, or its most recent
-answer anywhere was a fault (no success since). Shared: the worker writes, status reads; neither
-imports the other.
+answer anywhere was a fault that ends a streak of at least ``FAILING_STREAK`` (no success since):
+one refused prompt (a 400 for a prompt too long) is counted but does not make a server failing.
+Shared: the worker writes, status reads; neither imports the other.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from shared.logs import redact_url
 from shared.redis_conn import text
 
 MESSAGE_CHARS = 200      # of the last fault's server message kept (an HTML page is cut)
+FAILING_STREAK = 3       # faults in a row, no success between, that make an endpoint failing
 _TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
 _TAG = re.compile(r"<[^>]+>")
 _KINDS = {"text/html": "text/html", "text/plain": "text/plain", "application/json": "JSON"}
@@ -90,19 +92,22 @@ class EndpointFaults:
     last_message: str | None = None
     last_fault_at: float | None = None
     last_ok_at: float | None = None
+    streak: int = 0             # faults since the last success
 
     def fault(self, reason: str, message: str = "", now: float | None = None) -> None:
         self.counts[reason] += 1
+        self.streak += 1
         self.last_reason, self.last_message = reason, brief(message)
         self.last_fault_at = time.time() if now is None else now
 
     def ok(self, now: float | None = None) -> None:
         self.last_ok_at = time.time() if now is None else now
+        self.streak = 0
 
     def to_json(self, healthy: bool) -> dict[str, Any]:
         return {"healthy": healthy, "counts": dict(self.counts), "last_reason": self.last_reason,
                 "last_message": self.last_message, "last_fault_at": self.last_fault_at,
-                "last_ok_at": self.last_ok_at}
+                "last_ok_at": self.last_ok_at, "streak": self.streak}
 
 
 def publish(pipe: Any, worker: str, endpoints: dict[str, dict[str, Any]], ttl_s: int) -> None:
@@ -123,12 +128,14 @@ class EndpointView:
     last_message: str | None = None
     last_fault_at: float | None = None
     last_ok_at: float | None = None
+    streak: int = 0             # the longest of the workers' current streaks
 
     @property
     def failing(self) -> bool:
         if self.workers and not self.healthy_workers:
             return True
-        return self.last_fault_at is not None and (self.last_ok_at is None or self.last_fault_at > self.last_ok_at)
+        return (self.streak >= FAILING_STREAK and self.last_fault_at is not None
+                and (self.last_ok_at is None or self.last_fault_at > self.last_ok_at))
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "failing": self.failing, "counts": dict(self.counts), "workers": self.workers,
@@ -141,6 +148,9 @@ def _fold(views: dict[str, EndpointView], url: str, e: dict[str, Any]) -> None:
     v = views.setdefault(url, EndpointView(url))
     v.workers += 1
     v.healthy_workers += 1 if e.get("healthy", True) else 0
+    streak = e.get("streak")
+    if isinstance(streak, int):
+        v.streak = max(v.streak, streak)
     for reason, n in (e.get("counts") or {}).items():
         if isinstance(n, int | float):
             v.counts[str(reason)] += int(n)

@@ -51,11 +51,11 @@ def test_reasons_name_the_status_and_the_body_type():
 
 
 def _view(url: str, reason: str | None, fault_at: float | None, ok_at: float | None, healthy: bool = True,
-          message: str = "") -> server_faults.EndpointView:
+          message: str = "", streak: int = 3) -> server_faults.EndpointView:
     v = server_faults.EndpointView(url)
     server_faults._fold({url: v}, url, {"healthy": healthy, "counts": {reason: 3} if reason else {},
                                         "last_reason": reason, "last_message": message,
-                                        "last_fault_at": fault_at, "last_ok_at": ok_at})
+                                        "last_fault_at": fault_at, "last_ok_at": ok_at, "streak": streak})
     return v
 
 
@@ -65,6 +65,8 @@ def test_the_diagnosis_is_one_line_and_only_when_something_fails():
     assert server_faults.diagnosis([a, b]) == "2/2 servers failing: HTTP 500 text/html (500 Internal Server Error)"
     ok = _view("http://c", "HTTP 503 JSON", 10.0, 12.0)  # answered since its last fault
     assert not ok.failing and server_faults.diagnosis([ok]) is None
+    once = _view("http://e", "invalid request (HTTP 400)", 10.0, 5.0, streak=1)  # one refused prompt: counted only
+    assert not once.failing and once.counts
     refused = _view("http://d", "connection refused", 9.0, None, healthy=False)
     assert server_faults.diagnosis([a, ok, refused]) == (
         "2/3 servers failing: http://a HTTP 500 text/html; http://d connection refused")
