@@ -230,3 +230,28 @@ def test_a_fleet_behind_a_proxy_answering_html_500_says_why_and_recovers(tmp_pat
         procs.stop_all()
     out = rows(tmp_path / "out" / "D.jsonl") + rows(tmp_path / "out" / "D.truncated.jsonl")
     assert sorted(r["id"] for r in out) == sorted(ids)
+
+
+def test_concurrent_first_requests_ask_server_info_once():
+    asked: list[int] = []
+
+    async def server_info(_request: web.Request) -> web.Response:
+        asked.append(1)
+        await asyncio.sleep(0.05)
+        return web.Response(status=404)
+
+    async def chat(request: web.Request) -> web.Response:
+        assert "top_k" not in await request.json()
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": "ok"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+
+    async def run(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            client = SGLangClient(session, ServerConfig(urls=[url]))
+            outs = await asyncio.gather(*[client.complete(_payload(), f"C-c{i}") for i in range(8)])
+            assert [o.text for o in outs] == ["ok"] * 8 and client.pool.endpoints[0].sglang is False
+            await client.close()
+
+    asyncio.run(_serve([web.post("/v1/chat/completions", chat), web.get("/server_info", server_info)], run))
+    assert len(asked) == 1

@@ -109,6 +109,7 @@ class EndpointPool:
         self._any_healthy = asyncio.Event()
         self._any_healthy.set()
         self._down_logged_at = 0.0
+        self._detecting: dict[str, asyncio.Lock] = {}
 
     def pick(self, key: bytes | None = None) -> Endpoint | None:
         """Where the next request goes: by ``key`` (prefix routing) within the load bound, else
@@ -157,6 +158,13 @@ class EndpointPool:
             ep.sglang = True
         if ep.sglang is not None:
             return ep.sglang
+        # The first requests to an endpoint come together: one asks, the others wait for its answer.
+        async with self._detecting.setdefault(ep.url, asyncio.Lock()):
+            if ep.sglang is not None:
+                return ep.sglang
+            return await self._ask_server_info(ep)
+
+    async def _ask_server_info(self, ep: Endpoint) -> bool | None:
         try:
             async with self.session.get(ep.url + "/server_info", headers=self.headers, timeout=_DETECT_TIMEOUT) as resp:
                 if resp.status in (404, 405):
