@@ -1,4 +1,5 @@
-"""The one HTTP client for SGLang (aiohttp): chat or native /generate, retries, several endpoints.
+"""The one HTTP client for SGLang or any OpenAI-style server (aiohttp): chat or native /generate,
+retries, several endpoints, faults counted by reason (shared/server_faults.py).
 
 What goes over the wire (rids, bodies, reading a response) is worker/sglang_wire.py."""
 
