@@ -209,7 +209,15 @@ def test_check_says_when_the_estimated_output_does_not_fit(tmp_path, volume, red
 
 # -- the whole pipeline against the simulator: the disk fills mid-run, then space returns ------------------
 
-def test_disk_full_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, redis_url, conn, sim_factory):
+def _remount(point: Path, mode: str) -> None:
+    """Remount rw or ro (ro is refused while the producer has a file open for writing: try again)."""
+    def done() -> bool:
+        return subprocess.run(["mount", "-o", f"remount,{mode}", str(point)], capture_output=True).returncode == 0
+    wait_for(done, 30, f"remount {mode}", every_s=0.05)
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_disk_fault_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, redis_url, conn, sim_factory, fault):
     sim = sim_factory("--peak-tok-s", "3000", "--length-mean", "30", "--max-running-requests", "4")
     ids = write_dataset(tmp_path / "A.jsonl", 60)
     vol = volume("4m")
@@ -230,7 +238,10 @@ def test_disk_full_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, red
                             stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: len(rows(out / "A.jsonl")) >= 8, 60, "the first rows on disk")
-        filler = fill(vol)
+        if fault == "full":
+            filler = fill(vol)
+        else:
+            _remount(vol, "ro")
         log = tmp_path / "producer.log"
         wait_for(lambda: HELD in log.read_text(), 30, "the producer's hold line")
         wait_for(lambda: conn.hget(keys.conf_key("A"), "hold"), 10, "the hold in Redis")
@@ -242,7 +253,10 @@ def test_disk_full_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, red
         time.sleep(1.0)  # several worker control intervals: nothing more may be generated
         assert conn.hlen(keys.resv_key("A")) == 0 and conn.xlen(keys.results_key("A")) == generated
         assert len(rows(out / "A.jsonl")) == before and prod.poll() is None
-        filler.unlink()   # space returns
+        if fault == "full":
+            filler.unlink()   # space returns
+        else:
+            _remount(vol, "rw")
         assert prod.wait(90) == 0, log.read_text()
     finally:
         for p in (prod, worker):
@@ -254,7 +268,8 @@ def test_disk_full_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, red
     text = (tmp_path / "producer.log").read_text()
     assert "Traceback" not in text and "Traceback" not in (tmp_path / "worker.log").read_text()
     held = [line for line in text.splitlines() if HELD in line]
-    assert len(held) == 1 and f"writing {out / 'A.jsonl'} failed: No space left on device" in held[0], held
+    why = "No space left on device" if fault == "full" else "Read-only file system"
+    assert len(held) == 1 and f"writing {out / 'A.jsonl'} failed: {why}" in held[0], held
     assert "writable again" in text
     got = check_invariants(conn, out, "A", ids)
     assert got["rows"] == 60 and got["committed"] == 60, got   # every row, none twice, used == tokens on disk
