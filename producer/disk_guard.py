@@ -75,7 +75,10 @@ def probe(path: Path) -> str | None:
             os.close(fd)
             os.unlink(name)
     except OSError as exc:
-        return exc.strerror or type(exc).__name__
+        why = exc.strerror or type(exc).__name__
+        if base != Path(os.path.abspath(target)):
+            return f"it does not exist and cannot be created in {base} ({why})"
+        return why
     return None
 
 

@@ -20,7 +20,6 @@ import pytest
 import yaml
 
 from producer.collector import Collector
-from producer.disk_guard import MB, OutputGuard, preflight
 from shared import budget, keys
 from shared.budget import Admission
 from shared.config import DatasetConfig, load_config
@@ -29,6 +28,7 @@ from shared.scripts import run
 from tests.helpers import CLI, ROOT, check_invariants, rows, wait_for, write_config, write_dataset
 
 HELD = "admissions held"
+MB = 2**20
 
 
 def _mount(point: Path, size: str, *opts: str) -> None:
@@ -123,6 +123,8 @@ def test_collector_on_a_full_tmpfs_keeps_results_in_redis(volume, conn):
 # -- the guard: low space holds admissions, in the producer and in reserve.lua ---------------------------
 
 def test_guard_holds_below_min_free_and_reserve_answers_paused(volume, conn, caplog):
+    from producer.disk_guard import OutputGuard
+
     vol = volume("8m")
     ds = DatasetConfig.model_validate({"name": "A", "path": "x.jsonl", "budget": 10_000})
     budget.register_dataset(conn, ds)
@@ -147,6 +149,8 @@ def test_guard_holds_below_min_free_and_reserve_answers_paused(volume, conn, cap
 # -- before anything is written to Redis ------------------------------------------------------------------
 
 def test_preflight_names_the_directory_and_the_reason(tmp_path):
+    from producer.disk_guard import preflight
+
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(BudgetqError, match=r"output_dir .*afile/out: .*not a directory"):
