@@ -9,7 +9,9 @@ costs only that row: whatever goes wrong reading, mapping, tokenizing or enqueue
 recorded in out/<ds>.invalid.jsonl with the reason, once (a restart that reads the same
 row again does not record it twice), and counted. A dataset is complete when its reading
 has ended (rows exhausted, or budget reached) and no job of it is queued or started; a
-paused dataset's queued jobs keep the run waiting until it is resumed.
+paused dataset's queued jobs keep the run waiting until it is resumed. The output volume is
+checked before anything is written to Redis, and watched by the disk guard while the run goes
+(producer/disk_guard.py): full or read-only, it holds admissions and keeps results in Redis.
 """
 
 from __future__ import annotations

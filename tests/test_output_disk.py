@@ -220,7 +220,7 @@ def _remount(point: Path, mode: str) -> None:
     wait_for(done, 30, f"remount {mode}", every_s=0.05)
 
 
-@pytest.mark.parametrize("fault", ["full", "read-only"])
+@pytest.mark.parametrize("fault", ["full", "read-only", "min_free"])
 def test_disk_fault_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, redis_url, conn, sim_factory, fault):
     sim = sim_factory("--peak-tok-s", "3000", "--length-mean", "30", "--max-running-requests", "4")
     ids = write_dataset(tmp_path / "A.jsonl", 60)
@@ -228,7 +228,8 @@ def test_disk_fault_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, re
     cfg = write_config(tmp_path, redis_url, sim, [
         {"name": "A", "path": str(tmp_path / "A.jsonl"), "budget": "1M", "id_field": "id",
          "sampling": {"max_tokens": 200}}],
-        min_free_mb=0, worker={"concurrency": 4, "control_interval_s": 0.2}, producer={"high_water": 8})
+        min_free_mb=1 if fault == "min_free" else 0, worker={"concurrency": 4, "control_interval_s": 0.2},
+        producer={"high_water": 8})
     raw = yaml.safe_load(cfg.read_text())
     out = vol / "out"
     raw["output_dir"] = str(out)
@@ -242,25 +243,28 @@ def test_disk_fault_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, re
                             stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: len(rows(out / "A.jsonl")) >= 8, 60, "the first rows on disk")
-        if fault == "full":
-            filler = fill(vol)
-        else:
+        if fault == "read-only":
             _remount(vol, "ro")
+        else:   # full: not a byte left; min_free: files still take rows, but under min_free_mb
+            filler = fill(vol, leave=512 * 1024 if fault == "min_free" else 0)
         log = tmp_path / "producer.log"
         wait_for(lambda: HELD in log.read_text(), 30, "the producer's hold line")
         wait_for(lambda: conn.hget(keys.conf_key("A"), "hold"), 10, "the hold in Redis")
-        before = len(rows(out / "A.jsonl"))
-        assert 8 <= before < 60
-        # Workers stop reserving: what is in flight ends (kept in the stream), nothing new starts.
+        # Workers stop reserving: what is in flight ends (kept in the stream, or written while the
+        # volume still takes files), nothing new starts.
         wait_for(lambda: conn.hlen(keys.resv_key("A")) == 0, 30, "requests in flight to end")
-        generated = conn.xlen(keys.results_key("A"))
+
+        def results() -> tuple[int, int]:
+            return len(rows(out / "A.jsonl")), conn.xlen(keys.results_key("A"))
+        wait_for(lambda: fault != "min_free" or results()[1] == 0, 10, "results written under min_free_mb")
+        before = results()
         time.sleep(1.0)  # several worker control intervals: nothing more may be generated
-        assert conn.hlen(keys.resv_key("A")) == 0 and conn.xlen(keys.results_key("A")) == generated
-        assert len(rows(out / "A.jsonl")) == before and prod.poll() is None
-        if fault == "full":
-            filler.unlink()   # space returns
-        else:
+        assert conn.hlen(keys.resv_key("A")) == 0 and results() == before and 8 <= sum(before) < 60, before
+        assert prod.poll() is None
+        if fault == "read-only":
             _remount(vol, "rw")
+        else:
+            filler.unlink()   # space returns
         assert prod.wait(90) == 0, log.read_text()
     finally:
         for p in (prod, worker):
@@ -272,9 +276,11 @@ def test_disk_fault_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, re
     text = (tmp_path / "producer.log").read_text()
     assert "Traceback" not in text and "Traceback" not in (tmp_path / "worker.log").read_text()
     held = [line for line in text.splitlines() if HELD in line]
-    why = "No space left on device" if fault == "full" else "Read-only file system"
-    assert len(held) == 1 and f"writing {out / 'A.jsonl'} failed: {why}" in held[0], held
-    assert "writable again" in text
+    why = {"full": f"writing {out / 'A.jsonl'} failed: No space left on device",
+           "read-only": f"writing {out / 'A.jsonl'} failed: Read-only file system",
+           "min_free": "MB free, under min_free_mb 1"}[fault]
+    assert len(held) == 1 and why in held[0], held
+    assert len([line for line in text.splitlines() if "writable again" in line]) == 1
     got = check_invariants(conn, out, "A", ids)
     assert got["rows"] == 60 and got["committed"] == 60, got   # every row, none twice, used == tokens on disk
     assert conn.hget(keys.conf_key("A"), "hold") is None
