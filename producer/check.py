@@ -20,6 +20,8 @@ from typing import Any
 
 import redis
 
+from producer import disk_guard
+from producer.disk_guard import MB
 from producer.mapping import prompt_chars
 from producer.reader import Filtered, Invalid, Prompt, read_prompts
 from shared import keys
@@ -33,6 +35,11 @@ from shared.tokens import format_tokens
 # "bad JSON at column 3: ..." and "bad JSON at column 9: ...".
 _ROW_PREFIX = re.compile(r"^row \d+: ")
 _NUMBER = re.compile(r"\d+")
+# What a row weighs on disk, for the output estimate: the answer's text at ~6 bytes a token (JSON
+# escapes and non-ASCII text weigh more than English's ~4), the prompt's characters (+10% for
+# escapes) and ~512 bytes of ids, counts and settings. It errs on the heavy side.
+BYTES_PER_TOKEN = 6
+ROW_OVERHEAD = 512
 
 
 def reason_key(reason: str) -> str:
@@ -92,6 +99,7 @@ class DatasetCheck:
     responses_needed: int = 0
     runs_out: bool = False
     expected_tokens: int = 0
+    expected_bytes: int = 0   # what its rows will add to output_dir (see BYTES_PER_TOKEN)
     est_s: float | None = None
 
     @property
@@ -116,6 +124,8 @@ class DatasetCheck:
         responses = min(available, self.responses_needed)
         # Generated (completion) tokens: what the servers' tok/s is measured in.
         self.expected_tokens = round(responses * generated)
+        self.expected_bytes = round(responses * (generated * BYTES_PER_TOKEN + ROW_OVERHEAD
+                                                 + 1.1 * (self.prompt_chars.mean or 0)))
         self.est_s = self.expected_tokens / tok_s if tok_s else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -223,16 +233,43 @@ def check_server(cfg: Config, url: str, probe: Probe) -> ServerCheck:
 
 
 @dataclass
+class OutputCheck:
+    """output_dir: can files be created there, and does the estimated output fit above min_free_mb."""
+    path: str
+    ok: bool
+    free_bytes: int | None
+    expected_bytes: int
+    min_free_bytes: int
+    error: str | None = None
+
+
+def check_output(cfg: Config, datasets: list[DatasetCheck]) -> OutputCheck:
+    """A probe file (created and removed at once) and the volume's free space against the estimate."""
+    path, min_free = str(cfg.output_dir), int(cfg.min_free_mb * MB)
+    expected = sum(d.expected_bytes for d in datasets)
+    why = disk_guard.probe(cfg.output_dir) or disk_guard.low_space(cfg.output_dir, min_free)
+    if why is not None:
+        return OutputCheck(path, False, None, expected, min_free, why)
+    free = disk_guard.free_bytes(cfg.output_dir)
+    if expected > free - min_free:
+        return OutputCheck(path, False, free, expected, min_free,
+                           f"~{expected / MB:,.1f} MB of rows expected would not fit: {free / MB:,.1f} MB free, "
+                           f"min_free_mb {cfg.min_free_mb:g} kept free (free space, or lower min_free_mb)")
+    return OutputCheck(path, True, free, expected, min_free)
+
+
+@dataclass
 class CheckReport:
     datasets: list[DatasetCheck]
     redis: RedisCheck
     servers: list[ServerCheck]
     tok_s: float | None
+    output: OutputCheck | None = None
 
     @property
     def ok(self) -> bool:
         return all(d.ok for d in self.datasets) and self.redis.ok and all(s.ok for s in self.servers) \
-            and bool(self.datasets)
+            and bool(self.datasets) and (self.output is None or self.output.ok)
 
     @property
     def est_s(self) -> float | None:
@@ -242,7 +279,8 @@ class CheckReport:
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "tok_s": self.tok_s, "est_s": self.est_s,
                 "datasets": [d.as_dict() for d in self.datasets], "redis": asdict(self.redis),
-                "servers": [asdict(s) for s in self.servers]}
+                "servers": [asdict(s) for s in self.servers],
+                "output": asdict(self.output) if self.output is not None else None}
 
 
 def run_check(cfg: Config, probe: Probe, tok_s: float | None = None, timeout_s: float = 3.0) -> CheckReport:
@@ -251,7 +289,7 @@ def run_check(cfg: Config, probe: Probe, tok_s: float | None = None, timeout_s: 
     for d in datasets:
         d.finish(tok_s)
     servers = [check_server(cfg, url, probe) for url in cfg.server.urls]
-    return CheckReport(datasets, rc, servers, tok_s)
+    return CheckReport(datasets, rc, servers, tok_s, check_output(cfg, datasets))
 
 
 def _duration(seconds: float) -> str:
@@ -296,6 +334,10 @@ def format_report(r: CheckReport) -> str:
         if d.est_s is not None:
             lines.append(f"  ~{format_tokens(d.expected_tokens)} tokens to generate: ~{_duration(d.est_s)} "
                          f"at {r.tok_s:,.0f} tok/s")
+    if (o := r.output) is not None:
+        lines.append(f"output_dir {o.path}: " + (
+            f"OK, {(o.free_bytes or 0) / MB:,.0f} MB free, ~{o.expected_bytes / MB:,.1f} MB of rows expected "
+            f"(min_free_mb {o.min_free_bytes / MB:g} kept free)" if o.ok else f"FAILED: {o.error}"))
     rd = r.redis
     lines.append(f"redis {rd.url}: " + ("OK" if rd.ok else f"FAILED: {rd.error}"))
     for s in r.servers:

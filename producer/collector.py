@@ -3,16 +3,18 @@
 Rows kept aside (keep=complete and cut by max_tokens) go to out/<dataset>.truncated.jsonl.
 The stream cursor is saved only after the rows are flushed and fsynced; if the producer
 dies in between, the ids already in the files are loaded at start and skipped. A torn last
-line (a crash mid-write) is cut off at start: its entry is still in the stream.
+line (a crash mid-write) is cut off at start: its entry is still in the stream. A write that
+fails (disk full, read-only) is cut back at once and raises; the entries stay in the stream
+until a later write takes them (producer/disk_guard.py decides when to try again).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 from pathlib import Path
-from typing import TextIO
 
 import redis
 
@@ -75,6 +77,7 @@ class Collector:
                 self.seen[ds] |= ids_in(path)
         self.written = {ds: 0 for ds in datasets}
         self.cut_kept = {ds: 0 for ds in datasets}   # rows written this run with finish_reason "length"
+        self.torn: Path | None = None   # a failed write that could not be cut back (see _truncate)
 
     def drain(self, count: int = 1000) -> int:
         """Write every waiting result; returns how many rows were written."""
@@ -99,32 +102,58 @@ class Collector:
         return total
 
     def _write(self, ds: str, paths: dict[str, Path], entries: StreamEntries) -> int:
-        handles: dict[str, TextIO] = {}
-        written = 0
+        """Append the batch's new rows and fsync them, or leave every file as it was.
+
+        A write that fails (disk full, read-only, permission) cuts each file back to its size
+        before the batch and forgets the batch's ids, then raises: the cursor has not moved, so
+        the same entries are written again once the disk takes them.
+        """
+        if self.torn is not None:
+            raise OSError(errno.EIO, "a failed write could not be cut back: restart the producer (it cuts the "
+                          "torn tail, and writes the rows again)", str(self.torn))
+        chunks: dict[str, list[str]] = {}
+        added: list[str] = []
+        cut = 0
+        for _eid, fields in entries:
+            row = fields[b"row"].decode()
+            obj = json.loads(row)
+            pid = obj["id"]
+            if pid in self.seen[ds]:
+                continue
+            kind = fields.get(b"kind", b"row").decode()
+            if kind == "row" and obj.get("finish_reason") == "length":
+                cut += 1   # keep=all: a cut answer in the training rows (summary says so)
+            chunks.setdefault(kind, []).append(row + "\n")
+            self.seen[ds].add(pid)
+            added.append(pid)
+        started: dict[Path, int] = {}
+        path = paths["row"]
         try:
-            for _eid, fields in entries:
-                row = fields[b"row"].decode()
-                obj = json.loads(row)
-                pid = obj["id"]
-                if pid in self.seen[ds]:
-                    continue
-                kind = fields.get(b"kind", b"row").decode()
-                if kind == "row" and obj.get("finish_reason") == "length":
-                    self.cut_kept[ds] += 1   # keep=all: a cut answer in the training rows (summary says so)
-                fh = handles.get(kind)
-                if fh is None:
-                    fh = handles[kind] = open(paths.get(kind, paths["row"]), "a", encoding="utf-8")
-                fh.write(row + "\n")
-                self.seen[ds].add(pid)
-                written += 1
-            for fh in handles.values():
-                fh.flush()
-                os.fsync(fh.fileno())
-        finally:
-            for fh in handles.values():
-                fh.close()
-        self.written[ds] += written
-        return written
+            for kind, lines in chunks.items():
+                path = paths.get(kind, paths["row"])
+                with open(path, "ab") as fh:
+                    started.setdefault(path, os.fstat(fh.fileno()).st_size)
+                    fh.write("".join(lines).encode("utf-8"))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        except OSError as exc:
+            self.seen[ds].difference_update(added)
+            for done, size in started.items():
+                self._truncate(done, size)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc  # a write's error names no file
+        self.cut_kept[ds] += cut
+        self.written[ds] += len(added)
+        return len(added)
+
+    def _truncate(self, path: Path, size: int) -> None:
+        """Cut ``path`` back to ``size`` bytes (needs no free space). If even that fails, a torn
+        tail may be left: no more writes this run (the next start cuts it, _cut_torn_tail)."""
+        try:
+            os.truncate(path, size)
+        except OSError as exc:
+            self.torn = path
+            log.error("%s: could not cut back a failed write (%s); restart the producer once the volume "
+                      "is writable: it cuts the torn tail and writes the rows again", path, exc.strerror)
 
     def rows(self, ds: str) -> int:
         return len(self.seen[ds])

@@ -1,12 +1,13 @@
-"""The features pass's disk guard: admissions stop before the hidden states would fill the disk."""
+"""The features pass's disk guard: admissions stop before the hidden states would fill the disk.
+
+Its free-space rule (``min_free_mb`` kept free on output_dir's volume) is generation's too
+(producer/disk_guard.py); this adds the estimate of what is coming, learnt from results.
+"""
 
 from __future__ import annotations
 
-import shutil
-
+from producer.disk_guard import MB, free_bytes
 from shared.config import Config
-
-MB = 2**20
 
 
 class DiskGuard:
@@ -19,7 +20,7 @@ class DiskGuard:
 
     def __init__(self, cfg: Config) -> None:
         self.max_bytes = cfg.features.max_bytes
-        self.min_free = int(cfg.features.min_free_mb * MB)
+        self.min_free = int(cfg.min_free_mb * MB)
         self.first = cfg.features.concurrency
         self.out_dir = cfg.output_dir
         self.seen_bytes = 0
@@ -51,11 +52,11 @@ class DiskGuard:
             self.reason = (f"features.max_bytes {self.max_bytes} would be passed: {on_disk} bytes on disk, "
                            f"~{coming:.0f} more coming at {bpt:.0f} bytes/token; raise features.max_bytes to go on")
             return False
-        free = shutil.disk_usage(self.out_dir).free
+        free = free_bytes(self.out_dir)
         if coming > free - self.min_free:
             self.reason = (f"the output volume of {self.out_dir} would fill: {free / MB:.0f} MB free, "
                            f"~{coming / MB:.0f} MB more coming at {bpt:.0f} bytes/token, "
-                           f"{self.min_free / MB:.0f} MB kept free (features.min_free_mb); free space and run "
+                           f"{self.min_free / MB:.0f} MB kept free (min_free_mb); free space and run "
                            "`budgetq features` again to go on")
             return False
         return True

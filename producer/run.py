@@ -9,7 +9,9 @@ costs only that row: whatever goes wrong reading, mapping, tokenizing or enqueue
 recorded in out/<ds>.invalid.jsonl with the reason, once (a restart that reads the same
 row again does not record it twice), and counted. A dataset is complete when its reading
 has ended (rows exhausted, or budget reached) and no job of it is queued or started; a
-paused dataset's queued jobs keep the run waiting until it is resumed.
+paused dataset's queued jobs keep the run waiting until it is resumed. The output volume is
+checked before anything is written to Redis, and watched by the disk guard while the run goes
+(producer/disk_guard.py): full or read-only, it holds admissions and keeps results in Redis.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rq.serializers import JSONSerializer
 
 from producer.capture import Capture
 from producer.collector import Collector
+from producer.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
 from producer.meta import check_and_write_meta
 from producer.migrate import id_scheme
 from producer.reader import Filtered, Invalid, Prompt, read_prompts
@@ -99,6 +102,7 @@ def _payload(ds: DatasetConfig, p: Prompt) -> dict:
 class Producer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        preflight(cfg.output_dir, cfg.min_free_mb)  # before anything is written to Redis
         self.conn = connect(cfg.redis_url)
         self.feeds: list[Feed] = []
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
@@ -110,11 +114,18 @@ class Producer:
                 log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "
                          "recognised too, so nothing already done, queued or failed runs again", ds.name)
             self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy))
-        self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
+        try:
+            self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
+            warnings = [w for f in self.feeds for w in check_and_write_meta(cfg, f.ds, cfg.output_dir)]
+        except OSError as exc:  # the volume changed since preflight: one line, not a traceback
+            raise output_error(cfg.output_dir, exc) from None
+        for warning in warnings:
+            log.warning(warning)
+        # hook: the disk guard; its first sync ends a hold a previous producer left
+        self.guard = OutputGuard(self.conn, cfg.output_dir, cfg.min_free_mb, [d.name for d in cfg.datasets])
+        self.guard.sync()
         for f in self.feeds:
             ds = f.ds
-            for warning in check_and_write_meta(cfg, ds, cfg.output_dir):
-                log.warning(warning)
             adopted, tokens = adopt_missing(self.conn, rows_on_disk(cfg.output_dir, ds), ds.name, legacy=f.legacy)
             if adopted:
                 log.warning("dataset %s: %d rows on disk were not in Redis's done set (Redis lost data?): "
@@ -263,16 +274,37 @@ class Producer:
         queued, parked, started = pipe.execute()
         f.complete = queued + parked + started == 0
 
+    def _drain(self) -> int:
+        """Write the results waiting in Redis, unless the disk guard says the volume refuses them."""
+        if not self.guard.may_write():
+            return 0
+        try:
+            wrote = self.collector.drain()
+        except OSError as exc:
+            if not is_disk_fault(exc):
+                raise
+            self.guard.write_failed(exc)  # the results stay in Redis, the guard holds admissions
+            return 0
+        self.guard.wrote()
+        return wrote
+
     def tick(self) -> int:
-        for f in self.feeds:
-            self._fill(f)
-        wrote = self.collector.drain()
+        if self.guard.admitting():  # hook: the disk guard; no enqueueing while the output volume is full
+            try:
+                for f in self.feeds:
+                    self._fill(f)
+            except OSError as exc:  # writing out/<ds>.invalid.jsonl; what was read stays pending
+                if not is_disk_fault(exc):
+                    raise
+                self.guard.write_failed(exc)
+        wrote = self._drain()
         if time.monotonic() - self._maintained_at > self.cfg.worker.maintenance_interval_s:
             self._maintained_at = time.monotonic()
             self.maintenance.run_once()
         for f in self.feeds:
             self._check_complete(f)
         self.capture.tick()  # hook: the hidden-states pass of capture: features datasets runs beside
+        self.guard.sync()
         return wrote
 
     def run(self, on_tick=None) -> list[dict]:
@@ -296,9 +328,13 @@ class Producer:
             if on_tick is not None:
                 on_tick(self)
             # hook: with capture: features datasets, done also waits for every row's hidden states
-            if (all(f.complete for f in self.feeds) and self.capture.done(self.collector.drain)) \
+            if (all(f.complete for f in self.feeds) and self.capture.done(self._drain)) \
                     or self.stop_requested:
-                self.collector.drain()
+                self._drain()
+                if self.guard.write_fault and not self.stop_requested:
+                    time.sleep(poll)  # every job ended, results wait in Redis for the disk: not done yet
+                    continue
+                self._warn_unwritten()
                 for f in self.feeds:
                     if f.invalid:
                         log.warning("dataset %s: %d invalid rows (%d of them repeat an earlier id); reasons in %s",
@@ -311,6 +347,14 @@ class Producer:
         self.capture.close()  # hook: the hidden-states pass writes what it collected, releases its lock
         self._warn_cut_rows()
         return self.summary()
+
+    def _warn_unwritten(self) -> None:
+        if not self.guard.write_fault:
+            return
+        waiting = sum(int(self.conn.xlen(keys.results_key(f.ds.name))) for f in self.feeds)
+        log.warning("output_dir %s: %d results could not be written (%s); they stay in Redis and the next "
+                    "`budgetq produce` writes them once the volume has room", self.cfg.output_dir, waiting,
+                    self.guard.reason)
 
     def _warn_cut_rows(self) -> None:
         """keep=all kept answers cut by max_tokens: a drafter trained on them (SpecForge appends

@@ -156,6 +156,7 @@ class DatasetState:
     keep: str = "all"
     prior_mean: int = 0
     registered_at: float | None = None
+    hold: str = ""   # the producer's hold (output disk full); paused is also true while it is set
 
     @property
     def exhausted(self) -> bool:
@@ -179,11 +180,13 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
     stats_i = {text(k): int(float(v)) for k, v in stats.items()}
     return DatasetState(
         name=name, limit=int(conf.get(Conf.LIMIT, 0)), mode=conf.get(Conf.MODE, "soft"),
-        paused=conf.get(Conf.PAUSED) == "1", used=int(used or 0), reserved=int(reserved or 0),
+        paused=conf.get(Conf.PAUSED) == "1" or bool(conf.get(Conf.HOLD)),  # held: as paused for workers
+        used=int(used or 0), reserved=int(reserved or 0),
         in_flight=int(in_flight), max_tokens=int(conf.get(Conf.MAX_TOKENS, 0)), stats=stats_i,
         abort_epoch=int(conf.get(Conf.ABORT_EPOCH, 0)), count=conf.get(Conf.COUNT, "completion"),
         keep=conf.get(Conf.KEEP, "all"), prior_mean=int(float(conf.get(Conf.PRIOR_MEAN, 0))),
         registered_at=float(conf[Conf.REGISTERED_AT]) if conf.get(Conf.REGISTERED_AT) else None,
+        hold=conf.get(Conf.HOLD, ""),
     )
 
 

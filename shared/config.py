@@ -268,8 +268,6 @@ class FeaturesConfig(_Strict):
     # Admissions stop before the features of a run would pass this many bytes on disk (None: only
     # the volume's free space bounds it), with a clear message. Accepts 10G-style counts.
     max_bytes: TokenCount | None = None
-    # Free space left untouched on the output volume, whatever max_bytes says.
-    min_free_mb: float = Field(default=1024.0, ge=0)
     # Prefill requests in flight per features worker process.
     concurrency: int = Field(default=8, gt=0)
     # Response bytes (JSON in flight + decoded blobs) a features worker holds at once; it claims
@@ -294,11 +292,28 @@ class Config(_Strict):
     redis_wait_s: float = Field(default=300.0, ge=0)
     server: ServerConfig = Field(default_factory=ServerConfig)
     output_dir: Path = Path("out")
+    # Free space kept untouched on output_dir's volume: generation holds admissions under it
+    # (producer/disk_guard.py), the features pass stops before it (whatever features.max_bytes says).
+    min_free_mb: float = Field(default=1024.0, ge=0)
     datasets: list[DatasetConfig] = Field(default_factory=list)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     features: FeaturesConfig = Field(default_factory=FeaturesConfig)  # hidden states (issue 17)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _min_free_moved(cls, raw: Any) -> Any:
+        """features.min_free_mb is the old spelling of min_free_mb (one volume, one setting)."""
+        feats = raw.get("features") if isinstance(raw, dict) else None
+        if not isinstance(feats, dict) or "min_free_mb" not in feats:
+            return raw
+        feats = dict(feats)
+        old = feats.pop("min_free_mb")
+        if "min_free_mb" in raw and raw["min_free_mb"] != old:
+            raise ValueError(f"min_free_mb {raw['min_free_mb']!r} and features.min_free_mb {old!r}: set only "
+                             "min_free_mb (features.min_free_mb is its old name)")
+        return {**raw, "features": feats, "min_free_mb": raw.get("min_free_mb", old)}
 
     @model_validator(mode="after")
     def _unique(self) -> Config:

@@ -20,6 +20,8 @@ class Conf(enum.StrEnum):
     COUNT = "count"                  # completion | total: what a result adds to used
     KEEP = "keep"                    # all | complete: complete sets results cut by max_tokens aside
     PAUSED = "paused"                # "1" while an operator paused the dataset
+    HOLD = "hold"                    # why the producer holds admissions (output disk full); reserve.lua
+                                     # treats it like paused; absent or "" = none (producer/disk_guard.py)
     PRIOR_MEAN = "prior_mean"        # expected length before enough results are in
     MAX_TOKENS = "max_tokens"        # per-request cap; also the histogram's range (commit.lua)
     END_MARGIN_Z = "end_margin_z"    # reserve.lua's end-game margin, in standard deviations

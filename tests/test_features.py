@@ -438,19 +438,20 @@ def test_follow_captures_rows_as_they_commit(tmp_path, redis_url, conn, sim_fact
 def test_disk_guard_stops_before_the_volume_fills(tmp_path, monkeypatch):
     from collections import namedtuple
 
+    from producer import disk_guard
     from producer import features_guard as pf
     from shared.config import Config
 
-    cfg = Config.model_validate({"output_dir": str(tmp_path), "features": {"min_free_mb": 1, "concurrency": 2}})
+    cfg = Config.model_validate({"output_dir": str(tmp_path), "min_free_mb": 1, "features": {"concurrency": 2}})
     guard = pf.DiskGuard(cfg)
     assert guard.admit(100, 0, 0, 0, 0) and guard.admit(100, 100, 1, 0, 0)
     assert not guard.admit(100, 200, 2, 0, 0) and guard.reason is None, "waits for a first result"
     guard.learn(100, 100 * 8192)  # 8 KB a token: hidden 4096 in bfloat16
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pf.shutil, "disk_usage", lambda _p: usage(10 * 2**20, 0, 3 * 2**20))
+    monkeypatch.setattr(disk_guard.shutil, "disk_usage", lambda _p: usage(10 * 2**20, 0, 3 * 2**20))
     assert guard.admit(100, 0, 0, 0, 0), "0.8 MB fits in 3 MB free less 1 MB kept"
     assert not guard.admit(100, 200, 2, 0, 0)
-    assert guard.reason is not None and "would fill" in guard.reason and "features.min_free_mb" in guard.reason
+    assert guard.reason is not None and "would fill" in guard.reason and "(min_free_mb)" in guard.reason
     assert not guard.admit(1, 0, 0, 0, 0), "stopped stays stopped"
 
 

@@ -15,7 +15,8 @@
 -- Returns one {status, tokens_reserved} per item; status is one of
 --   ADMIT      reservation written (or already held by this job: idempotent on retry)
 --   DONE       the prompt was already committed: do not send it again
---   PAUSED     the dataset is paused by an operator
+--   PAUSED     the dataset is paused by an operator, or held by the producer (conf.hold: its
+--              output disk is full; the same answer, so workers stop reserving alike)
 --   EXHAUSTED  the budget is crossed (soft, drain) or can no longer fit this request (strict)
 --   WAIT       the budget may still fit it once requests in flight finish
 -- A reservation is the request's admission ticket: commit counts a result only while its
@@ -26,12 +27,13 @@ local ITEM = 4
 local ANSWER_SLACK = 8
 local prior_until = tonumber(ARGV[1])
 local margin_after = tonumber(ARGV[2])
-local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'paused', 'prior_mean', 'count', 'end_margin_z')
+local conf = redis.call('HMGET', KEYS[1], 'limit', 'mode', 'paused', 'prior_mean', 'count', 'end_margin_z',
+                        'hold')
 local limit = tonumber(conf[1])
 if not limit then
   return redis.error_reply('budgetq: dataset not registered: ' .. KEYS[1])
 end
-local paused = conf[3] == '1'
+local paused = conf[3] == '1' or (conf[7] and conf[7] ~= '')
 local mode = conf[2] or 'soft'
 local total = conf[5] == 'total'
 local counters = redis.call('MGET', KEYS[2], KEYS[4])  -- one command: used, reserved
