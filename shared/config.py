@@ -19,6 +19,21 @@ from shared.schema import SamplingParams
 from shared.tokens import parse_tokens
 
 TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
+
+
+def positive_budget(tokens: int) -> int:
+    """A budget is above 0: a 0 budget would admit nothing and end the dataset at once, which
+    is what `budgetq pause` is for (and pause can be undone without knowing the old budget)."""
+    if tokens <= 0:
+        raise ValueError(f"a budget must be above 0 (got {tokens}); to stop a dataset, pause it: budgetq pause NAME")
+    return tokens
+
+
+def _budget(value: Any) -> int:
+    return positive_budget(parse_tokens(value))
+
+
+Budget = Annotated[int, BeforeValidator(_budget)]
 # Dataset names: the rule lives in shared/identity.py (job ids and key names depend on it).
 _NAME = re.compile(NAME_PATTERN.pattern)
 # Sampling parameters a dataset may also give at its own level, as shorthand for sampling.<name>.
@@ -84,7 +99,7 @@ class DatasetConfig(_Strict):
     format: Literal["auto", "jsonl", "json", "parquet", "hf"] = "auto"
     split: str | None = None          # for HF datasets (default: the only split, or "train")
     subset: str | None = None         # HF config name
-    budget: TokenCount
+    budget: Budget
     # soft: reserve the expected length, land in [budget, budget + max_tokens);
     # strict: reserve max_tokens, never pass the budget; drain: no reservations (the naive
     # policy, for comparison: in-flight requests all count, overshoot ~ in-flight x mean).
@@ -404,9 +419,12 @@ def _describe(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        msg = e["msg"].removeprefix("Value error, ")
+        shown = repr(e.get("input"))
+        # our own messages name the value already: "(got ...)" once, not twice
+        got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg else ""
         hint = _did_you_mean(tuple(e["loc"])) if e["type"] == "extra_forbidden" else ""
-        lines.append(f"  {loc}: {e['msg']}{hint}{got}")
+        lines.append(f"  {loc}: {msg}{hint}{got}")
     return "\n".join(lines)
 
 
