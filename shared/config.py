@@ -120,7 +120,11 @@ class DatasetConfig(_Strict):
     # own earlier answers as context (one job, one row per conversation; worker/turns.py), so
     # train with train_only_last_turn: false.
     regenerate: Literal["last", "all"] = "last"
-    id_field: str | None = None
+    # Where prompt ids come from (docs/datasets.md "Ids"). Left unset: the dataset's `id` field
+    # when its first row has one (then every row must), else a content hash. Set to a name: that
+    # field, on every row. null: always a content hash. A restart keeps the ids a dataset's
+    # state was written with (producer/id_rule.py).
+    id_field: str | None = "id"
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
     shuffle: bool = False
     shuffle_seed: int = 0
