@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 from budgetq import cli_data, cli_features, cli_init, cli_ops, cli_sim
-from budgetq.cli_common import load, open_redis, positive_int, seconds, stdout_console, with_config
+from budgetq.cli_common import discover_context, load, open_redis, positive_int, seconds, stdout_console, with_config
 from shared.config import Config, positive_budget
 from shared.errors import BudgetqError
 from shared.logs import setup_logging
@@ -87,7 +87,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
     cfg = load(args)
     if not cfg.datasets:
         raise BudgetqError(f"no datasets in {args.config}" if args.config else
-                           "no datasets: pass a config with a datasets: list (-c CONFIG)")
+                           "no datasets: pass a config with a datasets: list (-c CONFIG, or `budgetq init`)")
+    discover_context(cfg)
     state: dict = {"stop": False, "producer": None}
 
     def hard_stop(_signum: int, _frame: object) -> None:

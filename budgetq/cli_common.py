@@ -165,3 +165,26 @@ def watch(frame: Callable[[], RenderableType], interval: float, console: Console
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0
+
+
+def discover_context(cfg: Config, timeout_s: float = 3.0) -> None:
+    """``server.context_length`` unset and a tokenizer to count with: take the servers' own, the
+    smallest ``max_model_len`` their /v1/models reports, so prompts over it are recorded invalid
+    at the producer instead of failing at the server. Servers not up yet: left unset, one line."""
+    if cfg.server.context_length is not None or not cfg.server.tokenizer:
+        return
+    import asyncio
+
+    from worker.sglang_client import probe_server
+
+    async def ask() -> list:
+        return list(await asyncio.gather(*(probe_server(cfg.server, url, timeout_s) for url in cfg.server.urls)))
+
+    known = sorted((i.max_model_len, i.url) for i in asyncio.run(ask()) if i.max_model_len)
+    if not known:
+        log.info("server context length unknown (no server reported max_model_len on /v1/models): prompts are "
+                 "not checked against it; set server.context_length to check them")
+        return
+    cfg.server.context_length, url = known[0]
+    log.info("server context length %d tokens (/v1/models of %s): prompts over it less max_tokens are "
+             "recorded invalid", cfg.server.context_length, url)

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from budgetq.cli_common import load, with_config
+from budgetq.cli_common import discover_context, load, with_config
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -63,6 +63,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from worker.sglang_client import probe_server
 
     cfg = load(args)
+    discover_context(cfg, args.timeout_s)   # what produce would check prompts against
     report = run_check(cfg, lambda url: asyncio.run(probe_server(cfg.server, url, args.timeout_s)),
                        tok_s=args.tok_s, timeout_s=args.timeout_s)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
@@ -70,9 +71,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sp = with_config(sub.add_parser("export", help="convert out/<dataset>.jsonl to Parquet (default), SpecForge "
-                                                   "JSONL or SpecForge's offline hidden-states files"),
-                     servers=False)
+    what = ("convert out/<dataset>.jsonl to Parquet (default), SpecForge JSONL (complete rows SpecForge "
+            "accepts) or SpecForge's offline hidden-states files")
+    sp = with_config(sub.add_parser("export", help=what, description=what), servers=False)
     sp.add_argument("--dataset", action="append", help="dataset name (repeatable); default: every dataset")
     sp.add_argument("--format", choices=("parquet", "specforge", "specforge-offline"), default="parquet",
                     help="specforge: <dataset>.specforge.jsonl, complete rows SpecForge accepts only; "

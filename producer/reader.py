@@ -7,8 +7,8 @@ row index for the other formats (their reasons start with "row N").
 
 A bad row costs only that row: any error while mapping, identifying or tokenizing it
 (expected or not) becomes an ``Invalid`` with the reason. Ids are checked here too
-(``id_field`` left unset: the ``id`` field when the dataset's first row in file order has one,
-else a content hash; ``dataset_id_field``): the first row with an id wins, in processing
+(``id_field: id``, the default: the ``id`` field when the dataset's first row in file order
+has one, else a content hash; ``dataset_id_field``): the first row with an id wins, in processing
 order (file order, or the seeded shuffle order, which is the same on every run with the same
 seed); a later row with the same id is
 ``Invalid(reason="duplicate id ...")``, whatever its content. Ids already done in an
@@ -76,32 +76,38 @@ def read_prompts(ds: DatasetConfig, server: ServerConfig) -> Iterator[Item]:
     """
     fmt = detect_format(ds)
     encoder = PromptEncoder.for_dataset(ds, server)
-    return _prompts(ds, fmt, encoder)
+    return _prompts(ds, fmt, encoder, server.max_prompt_bytes)
 
 
 def dataset_id_field(ds: DatasetConfig, fmt: str | None = None) -> str | None:
-    """Where ``ds``'s ids come from: ``id_field`` when the config sets it (a name, or null for
-    content hashes); left unset, ``id`` when the first readable row in file order has a non-null
-    ``id``, else None (content hashes). File order, not the shuffled one: every seed agrees."""
-    if "id_field" in ds.model_fields_set:
+    """Where ``ds``'s ids come from: ``id_field: id`` (the default) means the ``id`` field when the
+    first readable row in file order has a non-null one, else None (content hashes); any other
+    name is that field on every row, null content hashes. File order, not the shuffled one:
+    every seed agrees."""
+    if ds.id_field != DEFAULT_ID_FIELD:
         return ds.id_field
+    return _default_rule(first_row(ds, fmt))
+
+
+def first_row(ds: DatasetConfig, fmt: str | None = None) -> SourceRow | None:
+    """The first readable row of ``ds`` in file order (None: it has none)."""
     rows = iter_rows(ds.model_copy(update={"shuffle": False}), fmt or detect_format(ds))
     try:
-        first = next((item for item in rows if isinstance(item, SourceRow)), None)
+        return next((item for item in rows if isinstance(item, SourceRow)), None)
     finally:
         rows.close()
-    return _default_rule(first)
 
 
 def _default_rule(first: SourceRow | None) -> str | None:
     return DEFAULT_ID_FIELD if first is not None and first.data.get(DEFAULT_ID_FIELD) is not None else None
 
 
-def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None) -> Generator[Item, None, None]:
+def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None,
+             max_bytes: int) -> Generator[Item, None, None]:
     # id_field left unset: decided by the first row in file order, which, unshuffled, is the
     # first row streamed here (no second read); shuffled, it is looked up first. Lazily either
     # way: nothing is opened before the first row is asked for.
-    settled = "id_field" in ds.model_fields_set
+    settled = ds.id_field != DEFAULT_ID_FIELD
     if not settled and ds.shuffle:
         ds, settled = ds.model_copy(update={"id_field": dataset_id_field(ds, fmt)}), True
     rows = iter_rows(ds, fmt)
@@ -113,7 +119,7 @@ def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None) -> Gene
                 ds, settled = ds.model_copy(update={"id_field": _default_rule(item)}), True
             where = "" if fmt == "jsonl" else f"row {item.line}: "
             try:
-                out = _one(ds, item, encoder, where)
+                out = _one(ds, item, encoder, where, max_bytes)
             except Exception as exc:  # noqa: BLE001 - whatever a row does, it costs only that row
                 out = Invalid(item.line, f"{where}unexpected error: {type(exc).__name__}: {exc}")
             if isinstance(out, Prompt) and not seen.add(id_text(out.id)):
@@ -129,7 +135,7 @@ def _prompts(ds: DatasetConfig, fmt: str, encoder: PromptEncoder | None) -> Gene
         rows.close()  # releases files and the shuffle spill when the caller stops early
 
 
-def _row_id(ds: DatasetConfig, row: dict) -> PromptId:
+def row_id(ds: DatasetConfig, row: dict) -> PromptId:
     """The row's prompt id (a string or an integer); IdError naming the field if it cannot be one."""
     if ds.id_field:
         if ds.id_field not in row or row[ds.id_field] is None:
@@ -141,7 +147,23 @@ def _row_id(ds: DatasetConfig, row: dict) -> PromptId:
         return stable_id(plain(row))
 
 
-def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, where: str) -> Item:
+def _too_big(msgs: list[Message], max_bytes: int) -> str | None:
+    """Why the messages are over ``server.max_prompt_bytes`` (UTF-8), or None.
+
+    A character is at most 4 bytes, so only prompts over max_bytes / 4 characters are encoded.
+    """
+    chars = sum(len(m.content) for m in msgs)
+    if chars * 4 <= max_bytes:
+        return None
+    size = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in msgs)
+    if size <= max_bytes:
+        return None
+    return (f"prompt has {size:,} bytes (UTF-8), more than server.max_prompt_bytes {max_bytes:,}: "
+            "Redis and the server would carry it only for the server to refuse it")
+
+
+def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, where: str,
+         max_bytes: int) -> Item:
     if isinstance(item, SourceError):
         return Invalid(item.line, item.reason)
     line, row = item.line, item.data
@@ -150,7 +172,7 @@ def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, whe
     except ValueError as exc:
         return Invalid(line, f"{where}{exc}")
     try:
-        pid = _row_id(ds, row)
+        pid = row_id(ds, row)
     except IdError as exc:
         return Invalid(line, f"{where}{exc}")
     for i, m in enumerate(msgs):
@@ -160,6 +182,8 @@ def _one(ds: DatasetConfig, item: SourceItem, encoder: PromptEncoder | None, whe
     if ds.regenerate == "all":
         msgs, later = split_turns(msgs)
         turns = later or None
+    if (why := _too_big(msgs + (turns or []), max_bytes)) is not None:   # before the tokenizer reads it all
+        return Invalid(line, f"{where}{why}")
     chars = prompt_chars(msgs + (turns or []))
     if ds.min_prompt_chars is not None and chars < ds.min_prompt_chars:
         return Filtered(line, f"{where}prompt has {chars} characters, fewer than min_prompt_chars "

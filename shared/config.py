@@ -70,8 +70,12 @@ class ServerConfig(_Strict):
     # Tokenizer (local path or hub id) for api=generate and for counting prompt tokens.
     tokenizer: str | None = None
     # The model's context length; prompts with more than context_length - max_tokens tokens
-    # are recorded invalid instead of failing on the server. None = no check.
+    # are recorded invalid instead of failing on the server (needs tokenizer to count). None:
+    # what the servers say (/v1/models max_model_len) when `budgetq produce` starts, if they answer.
     context_length: int | None = Field(default=None, gt=0)
+    # Prompts (every message sent, UTF-8) over this many bytes are recorded invalid by the producer
+    # instead of going through Redis to a server that refuses the body (HTTP 413). Accepts 8M-style counts.
+    max_prompt_bytes: TokenCount = 8_000_000
     # Which endpoint a request goes to (worker/endpoints.py). least_loaded: fewest in flight.
     # prefix: requests whose first prefix_chars characters (of the rendered messages; input_ids:
     # prefix_chars / 4 tokens) match go to the same endpoint, so its radix cache holds the shared
@@ -120,9 +124,9 @@ class DatasetConfig(_Strict):
     # own earlier answers as context (one job, one row per conversation; worker/turns.py), so
     # train with train_only_last_turn: false.
     regenerate: Literal["last", "all"] = "last"
-    # Where prompt ids come from (docs/datasets.md "Ids"). Left unset: the dataset's `id` field
-    # when its first row has one (then every row must), else a content hash. Set to a name: that
-    # field, on every row. null: always a content hash. A restart keeps the ids a dataset's
+    # Where prompt ids come from (docs/datasets.md "Ids"). `id` (the default): the dataset's `id`
+    # field when its first row has one (then every row must), else a content hash. Another name:
+    # that field, on every row. null: always a content hash. A restart keeps the ids a dataset's
     # state was written with (producer/id_rule.py).
     id_field: str | None = "id"
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
