@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import yaml
+from helpers import ROOT, wait_for
 
 from shared.budget import register_dataset
 from shared.config import DatasetConfig
-from helpers import ROOT, wait_for
 
 PY = [sys.executable, "-m", "budgetq.cli"]
 
