@@ -2,7 +2,9 @@
 
 The run commands live here (produce, worker, budget, pause, resume, retry-failed,
 reconcile, demo); the other groups each have a module with a ``register(sub)`` function:
-cli_sim (sim), cli_ops (status, monitor), cli_data (export).
+cli_sim (sim), cli_ops (status, monitor), cli_data (export, check), cli_init (init).
+Conventions every command keeps (docs/cli.md): a bad flag or value is one line on stderr, exit
+status 2; a closed stdout (``| head``) ends the command quietly (status 141, like SIGPIPE).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from pathlib import Path
 
 import redis
 
-from budgetq import cli_data, cli_features, cli_ops, cli_sim
-from budgetq.cli_common import load, open_redis, positive_int, seconds, with_config
-from shared.config import Config
+from budgetq import cli_data, cli_features, cli_init, cli_ops, cli_sim
+from budgetq.cli_common import discover_context, load, open_redis, positive_int, seconds, stdout_console, with_config
+from shared.config import Config, positive_budget
 from shared.errors import BudgetqError
 from shared.logs import setup_logging
 from shared.retry import REDIS_DOWN
@@ -29,6 +31,8 @@ log = logging.getLogger("budgetq.producer")
 # After a first SIGTERM/SIGINT the producer finishes its tick and writes what it collected;
 # if that cannot happen (Redis hung or down), it stops at once after this long, as on a second signal.
 PRODUCER_STOP_S = 15.0
+# Exit status after stdout was closed under us (`budgetq status --json | head`): the shell's for SIGPIPE.
+BROKEN_PIPE_STATUS = 141
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -45,7 +49,10 @@ def print_summary(rows: list[dict]) -> None:
                       str(r["skipped"]), str(r["aborted"]), str(r["failed"]), str(r["invalid"]),
                       str(r.get("duplicate", 0)), str(r["filtered"]),
                       str(r["wasted_tokens"]), r["stop"])
-    Console(width=max(120, Console().width)).print(table)
+    # On a terminal at least 120 columns (the table scrolls rather than cutting names); off one
+    # (CI logs, `| tee`) as wide as the table is.
+    console = stdout_console()
+    (Console(width=max(120, console.width)) if console.is_terminal else console).print(table)
 
 
 def _empty_files(cfg: Config) -> set[str]:
@@ -80,7 +87,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
     cfg = load(args)
     if not cfg.datasets:
         raise BudgetqError(f"no datasets in {args.config}" if args.config else
-                           "no datasets: pass a config with a datasets: list (-c CONFIG)")
+                           "no datasets: pass a config with a datasets: list (-c CONFIG, or `budgetq init`)")
+    discover_context(cfg)
     state: dict = {"stop": False, "producer": None}
 
     def hard_stop(_signum: int, _frame: object) -> None:
@@ -187,7 +195,7 @@ def cmd_budget_set(args: argparse.Namespace) -> int:
     from shared import control
 
     try:
-        tokens = parse_tokens(args.tokens)
+        tokens = positive_budget(parse_tokens(args.tokens))
     except ValueError as exc:
         raise BudgetqError(f"budget for {args.dataset}: {exc}") from None
     _cfg, conn = _conn(args)
@@ -262,22 +270,26 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                     help="do not serve features jobs (served by default when a dataset has capture: features)")
     sp.set_defaults(func=cmd_worker)
     bp = sub.add_parser("budget", help="change a budget live").add_subparsers(dest="bcmd", required=True)
-    sp = with_config(bp.add_parser("set", help="set a dataset's budget (effective on the next admission)"))
+    sp = with_config(bp.add_parser("set", help="set a dataset's budget (effective on the next admission)"),
+                     servers=False)
     sp.add_argument("dataset")
-    sp.add_argument("tokens", help="e.g. 12M, 2.5k, 10_000_000")
+    sp.add_argument("tokens", help="above 0, e.g. 12M, 2.5k, 10_000_000 (to stop a dataset: budgetq pause)")
     sp.add_argument("--abort-in-flight", action="store_true",
                     help="also cancel the dataset's requests in flight (their results will not count)")
     sp.set_defaults(func=cmd_budget_set)
     for name in ("pause", "resume"):
-        sp = with_config(sub.add_parser(name, help=f"{name} a dataset (effective on the next admission)"))
+        sp = with_config(sub.add_parser(name, help=f"{name} a dataset (effective on the next admission)"),
+                         servers=False)
         sp.add_argument("dataset")
         if name == "pause":
             sp.add_argument("--abort-in-flight", action="store_true", help="also cancel its requests in flight")
         sp.set_defaults(func=cmd_pause)
-    sp = with_config(sub.add_parser("retry-failed", help="requeue failed jobs (all datasets, or those named)"))
+    sp = with_config(sub.add_parser("retry-failed", help="requeue failed jobs (all datasets, or those named)"),
+                     servers=False)
     sp.add_argument("dataset", nargs="*")
     sp.set_defaults(func=cmd_retry_failed)
-    sp = with_config(sub.add_parser("reconcile", help="rebuild counters and done sets from the output files"))
+    sp = with_config(sub.add_parser("reconcile", help="rebuild counters and done sets from the output files"),
+                     servers=False)
     sp.add_argument("dataset", nargs="*")
     sp.add_argument("--output-dir")
     sp.add_argument("--rebuild", action="store_true",
@@ -295,12 +307,13 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
 class _Parser(argparse.ArgumentParser):
     """Bad flags are one line naming the flag and the value (not the usage text), exit status 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):  # type: ignore[override,unused-ignore]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="budgetq", description="Token-budgeted generation on Redis + RQ + SGLang")
+    p.add_argument("--version", action="version", version=f"budgetq {_version()}")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -308,15 +321,29 @@ def build_parser() -> argparse.ArgumentParser:
     cli_sim.register(sub)
     cli_ops.register(sub)
     cli_data.register(sub)
-    cli_features.register(sub)  # hidden states (issue 17)
+    cli_features.register(sub)  # hidden states
+    cli_init.register(sub)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("budgetq")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a reader that went away is seen here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _closed_stdout()
     except (BudgetqError, FileNotFoundError) as exc:
         return _fail(args, str(exc))
     except redis.RedisError as exc:
@@ -326,6 +353,21 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, explain(exc, url) if url else f"redis: {exc}")
     except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stopped at once, nothing written is lost
         return _fail(args, f"{args.cmd}: interrupted", status=130)
+
+
+def _closed_stdout() -> int:
+    """stdout was closed by its reader (``| head``): stop quietly, as a SIGPIPE'd tool does.
+
+    stdout now points at /dev/null, so the interpreter's last flush at exit cannot raise (and
+    print "Exception ignored ... BrokenPipeError") again.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return BROKEN_PIPE_STATUS
 
 
 def _fail(args: argparse.Namespace, message: str, status: int = 2) -> int:

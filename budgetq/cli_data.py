@@ -1,4 +1,4 @@
-"""Data subcommands: ``budgetq export`` (results JSONL -> Parquet), ``budgetq check`` (a dry run)."""
+"""Data subcommands: ``budgetq export`` (results JSONL -> Parquet or SpecForge), ``budgetq check`` (a dry run)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 import sys
 from pathlib import Path
 
-from budgetq.cli_common import load, with_config
+from budgetq.cli_common import discover_context, load, with_config
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from producer.export import export_parquet, export_specforge, specforge_note
+    from producer.export import ExportResult, export_parquet, export_specforge, specforge_note
     from producer.meta import meta_path
 
     cfg = load(args)
@@ -33,6 +33,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"{name}: no {source}: nothing to export", file=sys.stderr)
             missing += 1
             continue
+        res: ExportResult
         if args.format == "specforge":
             res = export_specforge(source, dest / f"{name}.specforge.jsonl")
         else:
@@ -62,6 +63,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from worker.sglang_client import probe_server
 
     cfg = load(args)
+    discover_context(cfg, args.timeout_s)   # what produce would check prompts against
     report = run_check(cfg, lambda url: asyncio.run(probe_server(cfg.server, url, args.timeout_s)),
                        tok_s=args.tok_s, timeout_s=args.timeout_s)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
@@ -69,7 +71,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sp = with_config(sub.add_parser("export", help="convert out/<dataset>.jsonl to Parquet"))
+    what = ("convert out/<dataset>.jsonl to Parquet (default), SpecForge JSONL (complete rows SpecForge "
+            "accepts) or SpecForge's offline hidden-states files")
+    sp = with_config(sub.add_parser("export", help=what, description=what), servers=False)
     sp.add_argument("--dataset", action="append", help="dataset name (repeatable); default: every dataset")
     sp.add_argument("--format", choices=("parquet", "specforge", "specforge-offline"), default="parquet",
                     help="specforge: <dataset>.specforge.jsonl, complete rows SpecForge accepts only; "

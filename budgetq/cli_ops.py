@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from budgetq.cli_common import int_range, load, open_redis, seconds, with_config
+from budgetq.cli_common import int_range, load, open_redis, seconds, stdout_console, watch, with_config
 from shared.config import Config
 from shared.errors import BudgetqError
 
@@ -29,7 +29,7 @@ def _snapshot(cfg: Config, conn, history_s: int = 60) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rich.console import Console, Group, RenderableType
+    from rich.console import Group, RenderableType
 
     from budgetq.cli_features import features_table
     from budgetq.status_view import render
@@ -47,11 +47,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(snap, indent=2))
         else:
-            Console(width=None if sys.stdout.isatty() else 160).print(view(snap))
+            stdout_console().print(view(snap))
         return 0
     if args.json:
         return _watch_json(cfg, conn, args.interval, args.history_s)
-    return _watch(cfg, conn, args.interval, view, Console())
+    return _watch(cfg, conn, args.interval, view, stdout_console())
 
 
 def _watch_json(cfg: Config, conn, interval: float, history_s: int) -> int:
@@ -77,7 +77,6 @@ def _watch_json(cfg: Config, conn, interval: float, history_s: int) -> int:
 
 
 def _watch(cfg: Config, conn, interval: float, render, console) -> int:
-    from rich.live import Live
     from rich.text import Text
 
     def frame():
@@ -86,13 +85,7 @@ def _watch(cfg: Config, conn, interval: float, render, console) -> int:
         except BudgetqError as exc:  # Redis restarting: keep watching, say so
             return Text(f"{time.strftime('%H:%M:%S')} {exc} (retrying)", style="red")
 
-    try:
-        with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
-            while True:
-                time.sleep(interval)
-                live.update(frame(), refresh=True)
-    except KeyboardInterrupt:
-        return 0
+    return watch(frame, interval, console)  # off a terminal: each frame printed and flushed (cli_common)
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:

@@ -195,7 +195,7 @@ def _one_specforge(raw: bytes, line_no: int, out, res: SpecForgeResult) -> None:
     if row.finish_reason != "stop":
         res.truncated += 1
         return
-    obj = row.model_dump(mode="json")
+    obj = row.model_dump(mode="json") | {"id": row.id}   # SpecForge's validator takes string ids only
     if (why := specforge_problem(obj)) is not None:
         res.rejected += 1
         if len(res.reports) < MAX_REPORTED:

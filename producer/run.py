@@ -32,6 +32,7 @@ from rq.serializers import JSONSerializer
 from producer.capture import Capture
 from producer.collector import Collector
 from producer.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
+from producer.id_rule import settle_id_field
 from producer.meta import check_and_write_meta
 from producer.migrate import id_scheme
 from producer.reader import Filtered, Invalid, Prompt, read_prompts
@@ -113,6 +114,7 @@ class Producer:
             if legacy:
                 log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "
                          "recognised too, so nothing already done, queued or failed runs again", ds.name)
+            settle_id_field(self.conn, ds, cfg.output_dir)  # the ids this dataset's state was made with
             self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy))
         try:
             self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])

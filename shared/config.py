@@ -19,6 +19,21 @@ from shared.schema import SamplingParams
 from shared.tokens import parse_tokens
 
 TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
+
+
+def positive_budget(tokens: int) -> int:
+    """A budget is above 0: a 0 budget would admit nothing and end the dataset at once, which
+    is what `budgetq pause` is for (and pause can be undone without knowing the old budget)."""
+    if tokens <= 0:
+        raise ValueError(f"a budget must be above 0 (got {tokens}); to stop a dataset, pause it: budgetq pause NAME")
+    return tokens
+
+
+def _budget(value: Any) -> int:
+    return positive_budget(parse_tokens(value))
+
+
+Budget = Annotated[int, BeforeValidator(_budget)]
 # Dataset names: the rule lives in shared/identity.py (job ids and key names depend on it).
 _NAME = re.compile(NAME_PATTERN.pattern)
 # Sampling parameters a dataset may also give at its own level, as shorthand for sampling.<name>.
@@ -55,8 +70,12 @@ class ServerConfig(_Strict):
     # Tokenizer (local path or hub id) for api=generate and for counting prompt tokens.
     tokenizer: str | None = None
     # The model's context length; prompts with more than context_length - max_tokens tokens
-    # are recorded invalid instead of failing on the server. None = no check.
+    # are recorded invalid instead of failing on the server (needs tokenizer to count). None:
+    # what the servers say (/v1/models max_model_len) when `budgetq produce` starts, if they answer.
     context_length: int | None = Field(default=None, gt=0)
+    # Prompts (every message sent, UTF-8) over this many bytes are recorded invalid by the producer
+    # instead of going through Redis to a server that refuses the body (HTTP 413). Accepts 8M-style counts.
+    max_prompt_bytes: TokenCount = 8_000_000
     # Which endpoint a request goes to (worker/endpoints.py). least_loaded: fewest in flight.
     # prefix: requests whose first prefix_chars characters (of the rendered messages; input_ids:
     # prefix_chars / 4 tokens) match go to the same endpoint, so its radix cache holds the shared
@@ -84,7 +103,7 @@ class DatasetConfig(_Strict):
     format: Literal["auto", "jsonl", "json", "parquet", "hf"] = "auto"
     split: str | None = None          # for HF datasets (default: the only split, or "train")
     subset: str | None = None         # HF config name
-    budget: TokenCount
+    budget: Budget
     # soft: reserve the expected length, land in [budget, budget + max_tokens);
     # strict: reserve max_tokens, never pass the budget; drain: no reservations (the naive
     # policy, for comparison: in-flight requests all count, overshoot ~ in-flight x mean).
@@ -105,7 +124,11 @@ class DatasetConfig(_Strict):
     # own earlier answers as context (one job, one row per conversation; worker/turns.py), so
     # train with train_only_last_turn: false.
     regenerate: Literal["last", "all"] = "last"
-    id_field: str | None = None
+    # Where prompt ids come from (docs/datasets.md "Ids"). `id` (the default): the dataset's `id`
+    # field when its first row has one (then every row must), else a content hash. Another name:
+    # that field, on every row. null: always a content hash. A restart keeps the ids a dataset's
+    # state was written with (producer/id_rule.py).
+    id_field: str | None = "id"
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
     shuffle: bool = False
     shuffle_seed: int = 0
@@ -419,9 +442,12 @@ def _describe(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        msg = e["msg"].removeprefix("Value error, ")
+        shown = repr(e.get("input"))
+        # our own messages name the value already: "(got ...)" once, not twice
+        got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg else ""
         hint = _did_you_mean(tuple(e["loc"])) if e["type"] == "extra_forbidden" else ""
-        lines.append(f"  {loc}: {e['msg']}{hint}{got}")
+        lines.append(f"  {loc}: {msg}{hint}{got}")
     return "\n".join(lines)
 
 

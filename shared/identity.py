@@ -3,9 +3,12 @@
 - A **dataset name** fullmatches ``[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*`` and has at most 64
   characters: no ``--``, no leading or trailing ``-``.
 - A **prompt id** is any non-empty string (any Unicode but lone surrogates, which UTF-8
-  cannot encode; any length), or an integer
-  (``str(int)``; a float only when it is integral, e.g. 3.0 from an Arrow int column with
-  nulls -> "3"). Booleans, lists, objects and null are rejected (``IdError``).
+  cannot encode; any length), or an integer (a float only when it is integral, e.g. 3.0 from
+  an Arrow int column with nulls -> 3). Booleans, lists, objects and null are rejected
+  (``IdError``). An integer id stays an integer in the output row (``id_value``); its *key*,
+  what job ids, done sets and the duplicate check use, is its string form (``id_text``: 12 ->
+  "12"), so an integer id and the same digits as a string are one prompt, and state written
+  when ids were strings only stays valid.
 - A **job id** is ``<dataset>--<enc(id)>``. ``enc(id)`` is the id itself when it fullmatches
   ``[A-Za-z0-9_][A-Za-z0-9_-]{0,99}`` (readable in rq-dashboard), else
   ``-<32 hex of sha256(id)>-<readable ASCII prefix>``. The dataset name holds no ``--`` and
@@ -40,6 +43,9 @@ HASH_HEX = 32
 PREFIX_MAX = 40
 # Conf-hash field naming the id scheme a dataset's Redis state was written with.
 SCHEME_FIELD = "id_scheme"
+# Conf-hash field recording where a dataset's ids come from (JSON: a field name, or null for
+# content hashes), so a restart keeps them whatever the config's default (producer/id_rule.py).
+ID_FIELD_FIELD = "id_field"
 SCHEME = "2"
 SCHEME_MIGRATED = "1+2"   # state of the old scheme exists: old job ids are recognised too
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
@@ -48,6 +54,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def has_surrogate(text: str) -> bool:
     return _SURROGATE.search(text) is not None
+
+
+PromptId = str | int
 
 
 class IdError(ValueError):
@@ -70,7 +79,18 @@ def check_name(name: str) -> str:
 
 
 def prompt_id(value: Any, field: str) -> str:
-    """The string form of an id field's value; IdError naming the field, type and value."""
+    """The key (string form) of an id field's value; IdError naming the field, type and value."""
+    return id_text(id_value(value, field))
+
+
+def id_text(pid: PromptId) -> str:
+    """The key of a prompt id: the string itself, or an integer's decimal digits."""
+    return pid if isinstance(pid, str) else str(pid)
+
+
+def id_value(value: Any, field: str) -> PromptId:
+    """An id field's value as the output row keeps it (a string, or an integer); IdError
+    naming the field, type and value."""
     if isinstance(value, str):
         if value == "":
             raise IdError(f"id field {field!r} is empty")
@@ -82,13 +102,13 @@ def prompt_id(value: Any, field: str) -> str:
     if isinstance(value, bool):
         raise IdError(f"id field {field!r} is a boolean ({value}), not a string or integer")
     if isinstance(value, int):
-        return str(value)
+        return int(value)
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer():
-            return str(int(value))
+            return int(value)
         raise IdError(f"id field {field!r} is a non-integral number ({value!r}), not a string or integer")
     if hasattr(value, "item") and not isinstance(value, list | dict):  # numpy scalars
-        return prompt_id(value.item(), field)
+        return id_value(value.item(), field)
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:60] + "..."
     raise IdError(f"id field {field!r} is {kind(value)} ({shown}), not a string or integer")
@@ -99,13 +119,14 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def digest(pid: str) -> bytes:
+def digest(pid: PromptId) -> bytes:
     """16 bytes identifying a prompt id (what the duplicate check keeps per id)."""
-    return hashlib.sha256(_utf8(pid)).digest()[:16]
+    return hashlib.sha256(_utf8(id_text(pid))).digest()[:16]
 
 
-def encode_id(pid: str) -> str:
+def encode_id(pid: PromptId) -> str:
     """The id part of a job id: the id itself if readable and RQ-legal, else a hash + prefix."""
+    pid = id_text(pid)
     if READABLE.fullmatch(pid):
         return pid
     head = _UNSAFE.sub("_", pid.encode("ascii", "ignore").decode())[:PREFIX_MAX].strip("_")
@@ -113,7 +134,7 @@ def encode_id(pid: str) -> str:
     return f"-{hashlib.sha256(_utf8(pid)).hexdigest()[:HASH_HEX]}{tail}"
 
 
-def job_id(dataset: str, pid: str) -> str:
+def job_id(dataset: str, pid: PromptId) -> str:
     """The RQ job id of prompt ``pid`` of ``dataset``: unique per (dataset, id), stable."""
     return f"{dataset}{SEPARATOR}{encode_id(pid)}"
 
@@ -126,8 +147,9 @@ def split_job_id(jid: str) -> tuple[str, str]:
     return ds, enc
 
 
-def legacy_job_id(dataset: str, pid: str) -> str:
+def legacy_job_id(dataset: str, pid: PromptId) -> str:
     """The job id earlier versions gave (``<ds>-<clean>``): only to recognise their state."""
+    pid = id_text(pid)
     clean = "".join(c if c.isalnum() or c in "_-" else "_" for c in pid)
     if clean != pid or len(clean) > 100:
         clean = clean[:60] + "-" + hashlib.sha256(_utf8(pid)).hexdigest()[:16]

@@ -8,7 +8,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializationInfo,
     SerializerFunctionWrapHandler,
+    StrictInt,
     field_validator,
     model_serializer,
     model_validator,
@@ -55,7 +57,9 @@ class JobPayload(BaseModel):
     """What one RQ job carries. Holds no secret: workers know the server and its key."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str
+    # The dataset's id as the output row keeps it: a string, or an integer (never coerced: "12"
+    # stays a string). Job ids use its string form (shared/identity.py id_text).
+    id: StrictInt | str
     dataset: str
     messages: list[Message]
     # api=generate: the chat template applied by the producer's tokenizer.
@@ -111,7 +115,11 @@ class ResultRow(BaseModel):
     finish_reason is the last request's, and ``turns`` lists each request's counts.
     """
 
+    # The key (string form) of the dataset's id; ``int_id``: the dataset gave an integer, and the
+    # file holds it as one ("id": 12). Reading a row back gives the key again, so every reader
+    # (collector, reconcile, exports, features) compares ids the one way.
     id: str
+    int_id: bool = Field(default=False, exclude=True)
     dataset: str
     conversations: list[Message]
     # SpecForge's validator accepts only "success"; a row budgetq writes is always one
@@ -127,12 +135,22 @@ class ResultRow(BaseModel):
     # order: {"prompt_tokens", "completion_tokens", "finish_reason"}.
     turns: list[dict[str, Any]] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _integer_id(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("id"), int) and not isinstance(data["id"], bool):
+            return {**data, "id": str(data["id"]), "int_id": True}
+        return data
+
     @model_serializer(mode="wrap")
-    def _leave_out_turns(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A single-request row is written as before: no ``turns`` key at all."""
+    def _leave_out_turns(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """A single-request row is written as before: no ``turns`` key at all. An integer id is
+        written as an integer in JSON (the file); Python dumps keep the key (a string)."""
         out: dict[str, Any] = handler(self)
         if out.get("turns", 0) is None:
             del out["turns"]
+        if self.int_id and info.mode_is_json() and "id" in out:
+            out["id"] = int(self.id)
         return out
 
     @property

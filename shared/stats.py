@@ -28,6 +28,7 @@ class Conf(enum.StrEnum):
     ABORT_EPOCH = "abort_epoch"      # bumped by withdraw.lua (operator's --abort-in-flight)
     REGISTERED_AT = "registered_at"  # unix seconds of the last register_dataset
     ID_SCHEME = "id_scheme"          # job-id scheme of the dataset (shared/identity.py)
+    ID_FIELD = "id_field"            # where its prompt ids come from, JSON (producer/id_rule.py)
 
 
 class Stat(enum.StrEnum):

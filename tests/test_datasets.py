@@ -295,7 +295,7 @@ def test_system_prompt_is_prepended_unless_the_conversation_has_one(tmp_path):
 def test_id_field_is_used_and_a_missing_one_is_invalid(tmp_path):
     rows = [{"uid": 7, "prompt": "a"}, {"prompt": "b"}, {"uid": "", "prompt": "c"}, {"uid": "x", "prompt": "d"}]
     items = read(ds_cfg(write("jsonl", tmp_path / "d", rows), id_field="uid"))
-    assert [p.id for p in prompts(items)] == ["7", "x"]
+    assert [p.id for p in prompts(items)] == [7, "x"]  # an integer id stays an integer
     assert reasons(items) == {2: "missing id field 'uid'", 3: "id field 'uid' is empty"}
 
 

@@ -24,11 +24,20 @@ def _commands(section: str) -> list[str]:
     return [ln for ln in lines if ln]
 
 
-def _run(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _run(command: str, env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
     argv = shlex.split(command.rstrip("&").strip())
     assert argv[0] == "budgetq", command
-    return subprocess.run([sys.executable, "-m", "budgetq.cli", *argv[1:]], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "budgetq.cli", *argv[1:]], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=240)
+
+
+def _init(section: str, where: Path) -> Path:
+    """Run the quick start's `budgetq init DIR && cd DIR` in ``where``; the directory the later lines run in."""
+    (line,) = [c for c in _commands(section) if c.startswith("budgetq init")]
+    init, _, cd = line.partition("&&")
+    proc = _run(init, _env(), cwd=where)
+    assert proc.returncode == 0, proc.stderr
+    return where / shlex.split(cd)[1] if cd.strip() else where
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -39,7 +48,8 @@ def _env(**extra: str) -> dict[str, str]:
 def test_quick_start_installs_then_demo_then_check_then_a_real_run():
     cmds = _commands(_quick_start())
     order = [next(i for i, c in enumerate(cmds) if c.startswith(p))
-             for p in ("pip install", "budgetq demo", "budgetq check", "budgetq worker", "budgetq produce")]
+             for p in ("pip install", "budgetq demo", "budgetq init", "budgetq check", "budgetq worker",
+                       "budgetq produce")]
     assert order == sorted(order), cmds
 
 
@@ -52,12 +62,13 @@ def test_quick_start_demo_runs_as_written():
         assert re.search(rf"^│ {name} +│", proc.stdout, re.M), proc.stdout
 
 
-def test_quick_start_check_runs_as_written_and_prints_what_the_readme_shows(redis_url, sim_factory):
+def test_quick_start_check_runs_as_written_and_prints_what_the_readme_shows(tmp_path, redis_url, sim_factory):
     section = _quick_start()
     (check,) = [c for c in _commands(section) if c.startswith("budgetq check")]
     assert any(c.startswith("budgetq sim --port 30000") for c in _commands(section))
+    run_dir = _init(section, tmp_path)   # `budgetq init`: the example config and data, from the package
     url = sim_factory("--instant")  # the README's `budgetq sim`, on a free port (env points check at it)
-    proc = _run(check, _env(BUDGETQ_REDIS_URL=redis_url, BUDGETQ_SERVER_URLS=url))
+    proc = _run(check, _env(BUDGETQ_REDIS_URL=redis_url, BUDGETQ_SERVER_URLS=url), cwd=run_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sample = re.search(r"```\n(B2: OK.*?)```", section, re.S).group(1).splitlines()
     out = proc.stdout.splitlines()
@@ -77,15 +88,16 @@ def test_quick_start_real_run_lines_run_as_written(tmp_path, redis_url, sim_fact
     import signal
 
     cmds = _commands(_quick_start())
+    run_dir = _init(_quick_start(), tmp_path)
     (worker,) = [c for c in cmds if c.startswith("budgetq worker")]
     (produce,) = [c for c in cmds if c.startswith("budgetq produce")]
     url = sim_factory("--instant", "--length-mean", "40")
     env = _env(BUDGETQ_REDIS_URL=redis_url, BUDGETQ_SERVER_URLS=url, BUDGETQ_OUTPUT_DIR=str(tmp_path / "out"))
     argv = shlex.split(worker.rstrip("&").strip())
-    w = subprocess.Popen([sys.executable, "-m", "budgetq.cli", *argv[1:]], cwd=ROOT, env=env,
+    w = subprocess.Popen([sys.executable, "-m", "budgetq.cli", *argv[1:]], cwd=run_dir, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        proc = _run(produce, env)
+        proc = _run(produce, env, cwd=run_dir)
     finally:
         w.send_signal(signal.SIGTERM)
         assert w.wait(60) == 0

@@ -22,7 +22,7 @@ READS = {"HGET", "HMGET"}
 # (shared/control.py), invalid rows (producer/run.py), AbandonedJobError recoveries (maintenance).
 PYTHON_STATS = {Stat.RETRIED, Stat.RETRIED_FAILED, Stat.INVALID, Stat.RECOVERED}
 # Conf fields no script reads: bookkeeping for status and the producer.
-PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME}
+PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD}
 
 
 @dataclass

@@ -6,6 +6,7 @@ import asyncio
 
 from shared import budget
 from shared.budget import Admission
+from shared.identity import id_text
 from shared.jobs import ResultStatus
 from shared.schema import JobPayload, Message, ResultRow
 from shared.scripts import arun
@@ -45,7 +46,7 @@ def build_row(payload: JobPayload, out: turns.Result, model: str) -> ResultRow:
     else:
         conv, per_turn = [*payload.messages, _reply(payload, out)], None
     return ResultRow(
-        id=payload.id, dataset=payload.dataset, conversations=conv,
+        id=id_text(payload.id), int_id=isinstance(payload.id, int), dataset=payload.dataset, conversations=conv,
         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
         finish_reason=out.finish_reason, model=model, endpoint=out.endpoint, latency_s=round(out.latency_s, 4),
         turns=per_turn,

@@ -234,6 +234,7 @@ class ServerInfo:
     models: list[str]
     model_path: str | None
     error: str | None = None
+    max_model_len: int | None = None   # the context length /v1/models reports (SGLang, vLLM do)
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> tuple[int, object]:
@@ -254,11 +255,13 @@ async def probe_server(server: ServerConfig, url: str, timeout_s: float = 5.0) -
             if status != 200 or not isinstance(body, dict):
                 return ServerInfo(url, [], None, f"GET /v1/models: HTTP {status}: {error_message(body)}")
             ids = [str(m.get("id")) for m in body.get("data") or [] if isinstance(m, dict)]
+            lens = [m.get("max_model_len") for m in body.get("data") or [] if isinstance(m, dict)]
+            ctx = next((v for v in lens if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
             status, info = await _get_json(session, url + "/model_info", headers)
             if status == 404:  # older servers only have the old name
                 status, info = await _get_json(session, url + "/get_model_info", headers)
             path = info.get("model_path") if status == 200 and isinstance(info, dict) else None
-            return ServerInfo(url, ids, str(path) if path else None)
+            return ServerInfo(url, ids, str(path) if path else None, max_model_len=ctx)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return ServerInfo(url, [], None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
