@@ -27,6 +27,7 @@ from rq.queue import EnqueueData
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from producer.budget_loop import BudgetLoop
 from producer.capture import Capture
 from producer.collector import Collector
 from producer.meta import check_and_write_meta
@@ -102,8 +103,9 @@ class Producer:
         self.conn = connect(cfg.redis_url)
         self.feeds: list[Feed] = []
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
+        self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
         for ds in cfg.datasets:
-            register_dataset(self.conn, ds)
+            register_dataset(self.conn, ds, keep_limit=self.budgets.active)
             q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
             legacy = id_scheme(self.conn, ds.name) == SCHEME_MIGRATED
             if legacy:
@@ -264,6 +266,7 @@ class Producer:
         f.complete = queued + parked + started == 0
 
     def tick(self) -> int:
+        self.budgets.tick(self.feeds)  # hook: before the fills, which act on the limits it writes
         for f in self.feeds:
             self._fill(f)
         wrote = self.collector.drain()
@@ -296,8 +299,8 @@ class Producer:
             if on_tick is not None:
                 on_tick(self)
             # hook: with capture: features datasets, done also waits for every row's hidden states
-            if (all(f.complete for f in self.feeds) and self.capture.done(self.collector.drain)) \
-                    or self.stop_requested:
+            if (all(f.complete for f in self.feeds) and self.capture.done(self.collector.drain)
+                    and self.budgets.settled(self.feeds)) or self.stop_requested:
                 self.collector.drain()
                 for f in self.feeds:
                     if f.invalid:
