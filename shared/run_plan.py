@@ -27,7 +27,7 @@ from shared import keys
 from shared.redis_conn import text
 
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*"
-                       r"(?:(\d+(?:\.\d+)?)s)?\s*$", re.IGNORECASE)
+                       r"(?:(\d+(?:\.\d+)?)s)?\s*$", re.IGNORECASE | re.ASCII)
 _NONE = {"", "none", "null", "off"}
 MAX_WEIGHT = 1e6
 
