@@ -119,6 +119,31 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_text(plan: dict, now: float):
+    """`budgetq status`'s line for a deadline or a total: countdown, phase, rate, finish per dataset."""
+    import time
+
+    from rich.text import Text
+
+    from shared.status import format_duration
+
+    bits = []
+    if plan.get("deadline") is not None:
+        left = plan["deadline"] - now
+        bits.append(f"deadline in {format_duration(left)}" if left > 0 else "deadline passed")
+        bits.append(f"({plan.get('phase') or '-'})")
+    if plan.get("total_budget") is not None:
+        bits.append(f"total {format_tokens(plan['total_budget'])}")
+    bits.append(f"fleet {plan['tok_s']:,.0f} tok/s" if plan.get("tok_s") else "fleet rate not measured yet")
+    finishes = []
+    for name, d in sorted((plan.get("datasets") or {}).items()):
+        fin = d.get("projected_finish")
+        finishes.append(f"{name} {time.strftime('%H:%M:%S', time.localtime(fin)) if fin else '-'}")
+    if finishes:
+        bits.append("finish: " + ", ".join(finishes))
+    return Text("  ".join(bits), style="bold cyan")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("plan", help="per dataset: weight, effective budget, prompts needed vs "
                                                  "available, projected finish (reads, never writes)"))

@@ -95,6 +95,10 @@ def render(snap: dict[str, Any]) -> RenderableType:
         f"  {tot['tok_s']:,.0f} tok/s  in flight {tot['in_flight']:,}",
         f"  workers {tot['workers']} ({tot['worker_slots']:,} slots)")
     parts: list[RenderableType] = [head, datasets_table(snap), workers_table(snap), endpoints_table(snap)]
+    if snap.get("plan"):  # a deadline or a total: countdown and projected finish (budgetq/cli_plan.py)
+        from budgetq.cli_plan import plan_text
+
+        parts.insert(1, plan_text(snap["plan"], snap["generated_at"]))
     if snap["control"]:
         parts.append(control_table(snap))
     return Group(*parts)

@@ -214,3 +214,18 @@ def read_state(conn: redis.Redis) -> dict[str, Any] | None:
     except ValueError:
         return None
     return state if isinstance(state, dict) else None
+
+
+def status_part(conn: redis.Redis, now: float) -> dict[str, Any] | None:
+    """The ``plan`` object of a status snapshot (docs/operations.md): None when the run has
+    neither a deadline nor a total. Read-only."""
+    if not conn.exists(keys.PLAN):
+        return None
+    s = read_settings(conn)
+    if not s.managed:
+        return None
+    state = read_state(conn) or {}
+    return {"deadline": s.deadline, "deadline_in_s": None if s.deadline is None else round(s.deadline - now, 1),
+            "total_budget": s.total_budget, "weights": s.weights, "phase": state.get("phase"),
+            "tok_s": state.get("tok_s"), "tail_s": state.get("tail_s"), "measured_at": state.get("at"),
+            "datasets": state.get("datasets", {})}

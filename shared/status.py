@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import redis
 from rq.registry import FailedJobRegistry
 
-from shared import jobs, keys
+from shared import jobs, keys, run_plan
 from shared.budget import DatasetState, dataset_state
 from shared.config import Config
 from shared.logs import redact_url
@@ -262,4 +262,5 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
         "workers": workers,
         "endpoints": endpoint_summary(workers, server_urls),
         "control": control_entries(conn, control_n),
+        "plan": run_plan.status_part(conn, now),  # deadline and total (docs/budget.md); None without
     }
