@@ -16,7 +16,6 @@ not done, so a later run sends it again).
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Sequence
@@ -82,14 +81,14 @@ def _changed_enough(old: int, new: int, st: budget.DatasetState) -> bool:
     """A move worth writing (and logging): one that could change an admission soon.
 
     Far from its budget a dataset's room (limit - used - reserved) is large and a move of a few
-    percent changes nothing yet; a move is written once it is a quarter of that room, or one
-    response (max_tokens) near the end. A steady fleet so makes a few dozen moves per dataset
+    percent changes nothing yet; a move is written once it is a quarter of that room, or near
+    the end one response (max_tokens) or 0.5% of the budget, whichever is smaller. A steady fleet so makes a few dozen moves per dataset
     and run, not one per control interval; any move that stops or frees admissions is written.
     """
     room = max(0, old - st.used - st.reserved)
     if (new <= st.used + st.reserved) != (old <= st.used + st.reserved):
         return True
-    return abs(new - old) >= max(1, st.max_tokens, room // 4)
+    return abs(new - old) >= max(1, min(st.max_tokens, max(old, new) // 200), room // 4)
 
 
 class BudgetLoop:
@@ -219,11 +218,12 @@ class BudgetLoop:
         cap = ds.budget
         if f.complete:
             cap = st.used if cap is None else min(cap, st.used)
-        elif f.ended:
-            # Every prompt is read: it can still spend what is in flight and queued, at its mean.
-            committed = st.stats.get("committed", 0)
-            mean = st.stats.get("sum_tokens", 0) / committed if committed else float(ds.prior_mean)
-            can = st.used + st.reserved + int(math.ceil((queued + len(f.pending)) * mean))
+        elif f.ended and ds.regenerate == "last":  # (regenerate: all: requests per job vary; wait for the end)
+            # Every prompt is read: it can still spend what is in flight and queued. Counted at
+            # max_tokens each (in flight too: a ticket is only the expected length), so this never cuts the dataset itself short (a mean of the answers
+            # finished so far runs low); it only bounds what it keeps from the others, and its
+            # exact use is known, and the rest handed on, once it completes.
+            can = st.used + (st.in_flight + queued + len(f.pending)) * ds.max_tokens
             cap = can if cap is None else min(cap, can)
         return Claim(ds.name, self.settings.weight(ds.name), floor=floor, cap=cap)
 

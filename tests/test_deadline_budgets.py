@@ -151,3 +151,27 @@ def test_total_split_by_weight_gives_what_a_short_dataset_cannot_use_to_the_othe
         assert abs(used[n] - (600_000 - used["C"]) / 2) <= 6000, used
     moves = [e for e in _log(conn) if e["action"] == "budget_total"]
     assert any(e["dataset"] == "A" and int(e["new"]) > int(e["old"]) for e in moves), moves
+
+
+def test_what_runs_at_the_deadline_is_aborted_and_a_later_run_sends_it_again(tmp_path, redis_url, conn,
+                                                                            sim_factory):
+    # answers of ~1 s against a 1.5 s deadline: the response times are barely known when it comes,
+    # so requests are still running at it
+    sim = sim_factory("--speedup", "1", "--length-mean", "100", "--length-sigma", "0.6", "--half-batch", "1000",
+                      "--peak-tok-s", "100000", "--seed", "11")
+    weights = {"A": 1.0}
+    datasets = _datasets(tmp_path, weights, {"A": 40})
+    _run(tmp_path, redis_url, sim, datasets, {"deadline": "1.5s"}, concurrency=8)
+    first = _deadline(conn)
+    cut = {r["rid"].rsplit(".", 1)[0] for r in sim_get(sim, "/sim/requests")
+           if r["finish"] == "abort" and r["finished"] >= first}
+    assert cut, "nothing was running at the deadline"
+    done_before = {job_id("A", r["id"]) for r in rows(tmp_path / "out" / "A.jsonl")}
+    assert not cut & done_before
+    assert not any(conn.sismember(keys.done_key("A"), j) for j in cut)
+    # a later run (a new deadline, from another shell) sends them again; no prompt is written twice
+    conn.hset(keys.PLAN, "deadline", f"{time.time() + 30:.3f}")
+    _run(tmp_path, redis_url, sim, datasets, {"deadline": "1.5s"}, concurrency=8)
+    kept = [job_id("A", r["id"]) for r in rows(tmp_path / "out" / "A.jsonl")]
+    assert len(kept) == len(set(kept)) == 40
+    assert cut <= set(kept)
