@@ -6,6 +6,10 @@ fleet's counted tok/s and the response times of the rows written, and writes eac
 effective budget as its Redis ``limit``: the ledger workers already obey, so they need nothing
 new. Each change is logged in the control log as ``budget_total`` or ``budget_deadline``.
 
+With a deadline the budgets are also *paced* (``_paced``): each dataset is held near its share
+of the progress so far, so all reach their shares together at the end and a projection that
+turns out wrong later (a fleet that slows) does not leave the early finishers over theirs.
+
 With a deadline the loop has three phases (producer/allocation.py ``phase``): *run*, the
 budgets are what the fleet can count before admissions stop, ``tail_s`` (the response-time
 quantile) before the deadline; *drain*, admissions have stopped (limit = used: no crossing, no
@@ -81,14 +85,15 @@ def _changed_enough(old: int, new: int, st: budget.DatasetState) -> bool:
     """A move worth writing (and logging): one that could change an admission soon.
 
     Far from its budget a dataset's room (limit - used - reserved) is large and a move of a few
-    percent changes nothing yet; a move is written once it is a quarter of that room, or near
-    the end one response (max_tokens) or 0.5% of the budget, whichever is smaller. A steady fleet so makes a few dozen moves per dataset
-    and run, not one per control interval; any move that stops or frees admissions is written.
+    percent changes nothing yet; a move is written once it is a third of that room, or near the
+    end one response (max_tokens) or 0.5% of the budget, whichever is smaller. So a run makes
+    tens to a few hundred moves per dataset (each pace step is one), not one per control
+    interval; any move that stops or frees admissions is written.
     """
     room = max(0, old - st.used - st.reserved)
     if (new <= st.used + st.reserved) != (old <= st.used + st.reserved):
         return True
-    return abs(new - old) >= max(1, min(st.max_tokens, max(old, new) // 200), room // 4)
+    return abs(new - old) >= max(1, min(st.max_tokens, max(old, new) // 200), room // 3)
 
 
 class BudgetLoop:
@@ -201,6 +206,8 @@ class BudgetLoop:
         elif totals:
             total, reason = min(totals)
             limits = water_fill(total, claims)
+            if reason == "deadline":
+                limits = self._paced(limits, states, total)
         elif deadline is not None:
             # A deadline, no rate measured yet (the first responses): nothing binds but each
             # dataset's own budget, until the fleet's rate is known.
@@ -212,6 +219,32 @@ class BudgetLoop:
         self._publish(now, states, limits, rate, tail, ph)
         return raised
 
+    def _paced(self, shares: dict[str, int], states: dict[str, Any], total: int) -> dict[str, int]:
+        """Keep every dataset near its share of the progress so far, so that all reach their
+        shares together at the end, whatever the projection's error then.
+
+        Workers claim from every queue in turn, so a dataset of small weight would otherwise
+        reach its share early, on the projection of that moment, and a fleet that slows later
+        leaves it over its share. Its limit is its share of what has been admitted (counted +
+        in flight) plus room (a fifth of what is left, never less than two control intervals
+        of the fleet's tokens): a dataset ahead of that waits (WAIT: parked, its slots serve
+        the others), one behind admits. Never below used + in flight + half an answer: a
+        dataset held back does not cross its limit.
+        """
+        progress = sum(st.used + st.reserved for st, _q in states.values())
+        if total <= 0 or progress <= 0:
+            return shares
+        rate = self.meter.rate() or 0.0
+        room = max(0.2 * (total - progress), 2 * self.run_cfg.control_interval_s * rate)
+        out = {}
+        for n, share in shares.items():
+            st, _q = states[n]
+            committed = st.stats.get("committed", 0)
+            mean = st.stats.get("sum_tokens", 0) / committed if committed else float(st.prior_mean or 1)
+            pace = int(share * min(1.0, (progress + room) / total))
+            out[n] = min(share, max(pace, st.used + st.reserved + int(mean // 2)))
+        return out
+
     def _claim(self, f: Feed, st: budget.DatasetState, queued: int) -> Claim:
         ds: DatasetConfig = f.ds
         floor = st.used + st.reserved
@@ -220,9 +253,10 @@ class BudgetLoop:
             cap = st.used if cap is None else min(cap, st.used)
         elif f.ended and ds.regenerate == "last":  # (regenerate: all: requests per job vary; wait for the end)
             # Every prompt is read: it can still spend what is in flight and queued. Counted at
-            # max_tokens each (in flight too: a ticket is only the expected length), so this never cuts the dataset itself short (a mean of the answers
-            # finished so far runs low); it only bounds what it keeps from the others, and its
-            # exact use is known, and the rest handed on, once it completes.
+            # max_tokens each (in flight too: a ticket is only the expected length), so this
+            # never cuts the dataset itself short (a mean of the answers finished so far runs
+            # low); it only bounds what it keeps from the others, and its exact use is known,
+            # and the rest handed on, once it completes.
             can = st.used + (st.in_flight + queued + len(f.pending)) * ds.max_tokens
             cap = can if cap is None else min(cap, can)
         return Claim(ds.name, self.settings.weight(ds.name), floor=floor, cap=cap)

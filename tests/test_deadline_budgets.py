@@ -103,7 +103,7 @@ def test_deadline_over_three_weighted_datasets(tmp_path, redis_url, conn, sim_fa
     assert stats["aborted_tokens"] <= 0.02 * stats["generated_tokens"], stats  # nor anything else wasted
     # every change of a limit is in the control log, with its reason; a steady fleet makes few
     moves = [e for e in _log(conn) if e["action"] == "budget_deadline"]
-    assert moves and len(moves) < 20 * len(weights), len(moves)
+    assert moves and len(moves) < 50 * len(weights), len(moves)
 
 
 def test_fleet_halved_mid_run_moves_the_budgets_and_still_meets_the_deadline(tmp_path, redis_url, conn,
