@@ -207,7 +207,7 @@ class BudgetLoop:
             total, reason = min(totals)
             limits = water_fill(total, claims)
             if reason == "deadline":
-                limits = self._paced(limits, states, total)
+                limits = self._paced(limits, states, claims)
         elif deadline is not None:
             # A deadline, no rate measured yet (the first responses): nothing binds but each
             # dataset's own budget, until the fleet's rate is known.
@@ -219,7 +219,7 @@ class BudgetLoop:
         self._publish(now, states, limits, rate, tail, ph)
         return raised
 
-    def _paced(self, shares: dict[str, int], states: dict[str, Any], total: int) -> dict[str, int]:
+    def _paced(self, shares: dict[str, int], states: dict[str, Any], claims: list[Claim]) -> dict[str, int]:
         """Keep every dataset near its share of the progress so far, so that all reach their
         shares together at the end, whatever the projection's error then.
 
@@ -229,20 +229,24 @@ class BudgetLoop:
         in flight) plus room (a fifth of what is left, never less than two control intervals
         of the fleet's tokens): a dataset ahead of that waits (WAIT: parked, its slots serve
         the others), one behind admits. Never below used + in flight + half an answer: a
-        dataset held back does not cross its limit.
+        dataset held back does not cross its limit. A dataset held at its cap (its own budget,
+        or what its prompts allow) is not paced: it cannot take more than that anyway.
         """
-        progress = sum(st.used + st.reserved for st, _q in states.values())
+        capped = {c.name for c in claims if c.cap is not None and shares[c.name] >= c.cap}
+        paced = [n for n in shares if n not in capped]
+        progress = sum(states[n][0].used + states[n][0].reserved for n in paced)
+        total = sum(shares[n] for n in paced)
         if total <= 0 or progress <= 0:
             return shares
         rate = self.meter.rate() or 0.0
         room = max(0.2 * (total - progress), 2 * self.run_cfg.control_interval_s * rate)
-        out = {}
-        for n, share in shares.items():
+        out = dict(shares)
+        for n in paced:
             st, _q = states[n]
             committed = st.stats.get("committed", 0)
             mean = st.stats.get("sum_tokens", 0) / committed if committed else float(st.prior_mean or 1)
-            pace = int(share * min(1.0, (progress + room) / total))
-            out[n] = min(share, max(pace, st.used + st.reserved + int(mean // 2)))
+            pace = int(shares[n] * min(1.0, (progress + room) / total))
+            out[n] = min(shares[n], max(pace, st.used + st.reserved + int(mean // 2)))
         return out
 
     def _claim(self, f: Feed, st: budget.DatasetState, queued: int) -> Claim:
