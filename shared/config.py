@@ -251,7 +251,7 @@ class RunConfig(_Strict):
     @field_validator("deadline", mode="before")
     @classmethod
     def _check_deadline(cls, v: Any) -> Any:
-        from shared.run_plan import PlanError, check_deadline_spec
+        from shared.deadline_spec import PlanError, check_deadline_spec
 
         if v is None or isinstance(v, str):
             try:
