@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from budgetq import cli_data, cli_features, cli_init, cli_ops, cli_sim
+from budgetq import cli_data, cli_features, cli_init, cli_ops, cli_plan, cli_sim
 from budgetq.cli_common import discover_context, load, open_redis, positive_int, seconds, stdout_console, with_config
 from shared.config import Config, positive_budget
 from shared.errors import BudgetqError
@@ -277,6 +277,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--abort-in-flight", action="store_true",
                     help="also cancel the dataset's requests in flight (their results will not count)")
     sp.set_defaults(func=cmd_budget_set)
+    cli_plan.register_budget(bp)  # deadline, total, weight, show (budgetq/cli_plan.py)
     for name in ("pause", "resume"):
         sp = with_config(sub.add_parser(name, help=f"{name} a dataset (effective on the next admission)"),
                          servers=False)
@@ -321,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_sim.register(sub)
     cli_ops.register(sub)
     cli_data.register(sub)
+    cli_plan.register(sub)  # budgetq plan
     cli_features.register(sub)  # hidden states
     cli_init.register(sub)
     return p

@@ -97,6 +97,10 @@ def render(snap: dict[str, Any]) -> RenderableType:
     parts: list[RenderableType] = [head, datasets_table(snap), workers_table(snap), endpoints_table(snap)]
     if snap.get("diagnosis"):  # why the servers fail, in one line (shared/server_faults.py)
         parts.insert(1, Text(snap["diagnosis"], style="bold red"))
+    if snap.get("plan"):  # a deadline or a total: countdown and projected finish (budgetq/cli_plan.py)
+        from budgetq.cli_plan import plan_text
+
+        parts.insert(1, plan_text(snap["plan"], snap["generated_at"]))
     if snap["control"]:
         parts.append(control_table(snap))
     return Group(*parts)

@@ -139,7 +139,7 @@ class DatasetCheck:
 
 def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
     """Stream ``ds`` through the producer's reader and count what a run would see."""
-    out = DatasetCheck(ds.name, ds.path, ds.budget, ds.mode, ds.count, ds.prior_mean)
+    out = DatasetCheck(ds.name, ds.path, ds.budget or 0, ds.mode, ds.count, ds.prior_mean)
     if ds.regenerate == "all":
         out.requests = Stats()
     started = time.perf_counter()

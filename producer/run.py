@@ -29,6 +29,7 @@ from rq.queue import EnqueueData
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from producer.budget_loop import BudgetLoop
 from producer.capture import Capture
 from producer.collector import Collector
 from producer.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
@@ -107,8 +108,9 @@ class Producer:
         self.conn = connect(cfg.redis_url)
         self.feeds: list[Feed] = []
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
+        self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
         for ds in cfg.datasets:
-            register_dataset(self.conn, ds)
+            register_dataset(self.conn, ds, keep_limit=self.budgets.active)
             q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
             legacy = id_scheme(self.conn, ds.name) == SCHEME_MIGRATED
             if legacy:
@@ -291,6 +293,7 @@ class Producer:
         return wrote
 
     def tick(self) -> int:
+        self.budgets.tick(self.feeds)  # hook: before the fills, which act on the limits it writes
         if self.guard.admitting():  # hook: the disk guard; no enqueueing while the output volume is full
             try:
                 for f in self.feeds:
@@ -330,8 +333,8 @@ class Producer:
             if on_tick is not None:
                 on_tick(self)
             # hook: with capture: features datasets, done also waits for every row's hidden states
-            if (all(f.complete for f in self.feeds) and self.capture.done(self._drain)) \
-                    or self.stop_requested:
+            if (all(f.complete for f in self.feeds) and self.capture.done(self._drain)
+                    and self.budgets.settled(self.feeds)) or self.stop_requested:
                 self._drain()
                 if self.guard.write_fault and not self.stop_requested:
                     time.sleep(poll)  # every job ended, results wait in Redis for the disk: not done yet

@@ -126,15 +126,23 @@ def adopt(ds: str, rows: list[tuple[str, int, int]]) -> ScriptCall[tuple[int, in
     return ScriptCall("adopt", keys.budget_keys(ds), args, lambda r: (int(r[0]), int(r[1])))
 
 
-def register_dataset(client: redis.Redis, ds: DatasetConfig) -> None:
-    """Write a dataset's budget settings; keeps counters (a restarted producer continues)."""
+def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = False) -> None:
+    """Write a dataset's budget settings; keeps counters (a restarted producer continues).
+
+    ``keep_limit`` (a run with a deadline or a total, and a dataset without a budget): the limit
+    is the producer's budget loop's to set (producer/budget_loop.py); it is written only if absent.
+    """
     pipe = client.pipeline()
     pipe.sadd(keys.DATASETS, ds.name)
     conf: dict[Any, Any] = {
-        Conf.LIMIT: ds.budget, Conf.MODE: ds.mode, Conf.COUNT: ds.count, Conf.KEEP: ds.keep,
+        Conf.MODE: ds.mode, Conf.COUNT: ds.count, Conf.KEEP: ds.keep,
         Conf.PRIOR_MEAN: ds.prior_mean, Conf.MAX_TOKENS: ds.max_tokens, Conf.END_MARGIN_Z: ds.end_margin_z,
         Conf.REGISTERED_AT: f"{time.time():.3f}",
     }
+    if keep_limit or ds.budget is None:
+        pipe.hsetnx(keys.conf_key(ds.name), Conf.LIMIT, ds.budget if ds.budget is not None else 0)
+    else:
+        conf[Conf.LIMIT] = ds.budget
     pipe.hset(keys.conf_key(ds.name), mapping=conf)
     pipe.hsetnx(keys.conf_key(ds.name), Conf.PAUSED, "0")
     pipe.execute()

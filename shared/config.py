@@ -103,7 +103,11 @@ class DatasetConfig(_Strict):
     format: Literal["auto", "jsonl", "json", "parquet", "hf"] = "auto"
     split: str | None = None          # for HF datasets (default: the only split, or "train")
     subset: str | None = None         # HF config name
-    budget: Budget
+    # The dataset's own cap. Optional with run.total_budget or run.deadline: its effective budget
+    # is then its weighted share, capped by this (docs/budget.md "Deadline and total").
+    budget: Budget | None = None
+    # Share of run.total_budget and of the deadline's tokens, relative to the other datasets'.
+    weight: float = Field(default=1.0, gt=0, le=1e6)
     # soft: reserve the expected length, land in [budget, budget + max_tokens);
     # strict: reserve max_tokens, never pass the budget; drain: no reservations (the naive
     # policy, for comparison: in-flight requests all count, overshoot ~ in-flight x mean).
@@ -249,6 +253,37 @@ class ProducerConfig(_Strict):
     result_ttl_s: int = Field(default=500, ge=0)
 
 
+class RunConfig(_Strict):
+    """Budgets in what the operator has: a deadline and a total, split by weight (docs/budget.md)."""
+
+    # A time the run must end by: a duration from the first start ("12h", "90m") or an ISO time
+    # ("2026-12-05T08:00:00Z"); None = none. Kept in Redis: a restart keeps the same time.
+    deadline: str | None = None
+    # Tokens over all datasets, split by weight (water-filling); None = per-dataset budgets only.
+    total_budget: TokenCount | None = None
+    # Admissions stop this quantile of the measured response times before the deadline, so the
+    # last responses finish by it; what still runs at the deadline is aborted (and sent again by a
+    # later run). Higher: less waste, a little idle time at the end.
+    tail_quantile: float = Field(default=0.95, gt=0, lt=1)
+    # The fleet's tok/s is measured over this many seconds (a slower or faster fleet moves the
+    # budgets within about this long).
+    rate_window_s: float = Field(default=60.0, gt=0)
+    # How often the producer recomputes the effective budgets (and reads live changes).
+    control_interval_s: float = Field(default=1.0, gt=0)
+
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _check_deadline(cls, v: Any) -> Any:
+        from shared.deadline_spec import PlanError, check_deadline_spec
+
+        if v is None or isinstance(v, str):
+            try:
+                return check_deadline_spec(v)
+            except PlanError as exc:
+                raise ValueError(str(exc)) from None
+        raise ValueError(f"deadline {v!r}: expected a duration like 12h or an ISO time in quotes")
+
+
 class MonitorConfig(_Strict):
     # The web monitor (budgetq monitor, or the producer with --monitor): page, JSON API, /metrics.
     host: str = "127.0.0.1"
@@ -323,6 +358,7 @@ class Config(_Strict):
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     features: FeaturesConfig = Field(default_factory=FeaturesConfig)  # hidden states (issue 17)
+    run: RunConfig = Field(default_factory=RunConfig)  # deadline and total budget (docs/budget.md)
 
     @model_validator(mode="before")
     @classmethod
@@ -345,6 +381,16 @@ class Config(_Strict):
             if ds.name in seen:
                 raise ValueError(f"datasets: name {ds.name!r} appears twice")
             seen.add(ds.name)
+        return self
+
+    @model_validator(mode="after")
+    def _budget_or_run(self) -> Config:
+        """Without run.total_budget or run.deadline, each dataset needs its own budget."""
+        if self.run.total_budget is None and self.run.deadline is None:
+            missing = [ds.name for ds in self.datasets if ds.budget is None]
+            if missing:
+                raise ValueError(f"dataset {missing[0]}: budget is required unless run.total_budget or "
+                                 "run.deadline is set")
         return self
 
     @model_validator(mode="after")

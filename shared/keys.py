@@ -22,6 +22,10 @@ WORKERS = f"{PREFIX}:workers"
 # fields ts, who, action, dataset, old, new.
 CONTROL_LOG = f"{PREFIX}:control"
 CONTROL_LOG_MAXLEN = 1000
+# A run's deadline, total budget and weights (hash; shared/run_plan.py), and what the producer's
+# budget loop measured and projects from them (JSON string): docs/budget.md "Deadline and total".
+PLAN = f"{PREFIX}:plan"
+PLAN_STATE = f"{PREFIX}:plan:state"
 # Lock held by whichever process runs the maintenance pass (requeue abandoned jobs).
 MAINTENANCE_LOCK = f"{PREFIX}:maintenance:lock"
 # Width of the buckets of rate_key, in seconds, and how long commit.lua keeps them.

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import redis
 from rq.registry import FailedJobRegistry
 
-from shared import jobs, keys, server_faults
+from shared import jobs, keys, run_plan, server_faults
 from shared.budget import DatasetState, dataset_state
 from shared.config import Config
 from shared.logs import redact_url
@@ -265,4 +265,5 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
         "server_faults": [v.to_json() for v in faults],
         "diagnosis": server_faults.diagnosis(faults),
         "control": control_entries(conn, control_n),
+        "plan": run_plan.status_part(conn, now),  # deadline and total (docs/budget.md); None without
     }

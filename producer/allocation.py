@@ -1,0 +1,170 @@
+"""The arithmetic of budgets in what the operator has (pure: no Redis, no clock).
+
+- ``water_fill``: split a total by weight, each share held within [floor, cap]: a dataset that
+  is capped (its own budget) or ran out of prompts gives what it cannot spend to the others in
+  proportion to their weights.
+- ``deadline_total``: how many tokens the budgets can count by a deadline, from the fleet's
+  measured rate and how long the last responses take (``tail_s``).
+- ``RateMeter`` and ``Latencies``: the smoothed tok/s and the response-time quantile they need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One dataset's part in a split."""
+
+    name: str
+    weight: float
+    floor: int = 0           # already counted or in flight: a share is never below it
+    cap: int | None = None   # the most it can use (own budget, or what its prompts allow); None: no cap
+
+
+def _bounds(c: Claim) -> tuple[float, float]:
+    lo = float(max(0, c.floor))
+    hi = math.inf if c.cap is None else float(max(c.cap, c.floor))
+    return lo, hi
+
+
+def _level_sum(level: float, claims: list[Claim]) -> float:
+    total = 0.0
+    for c in claims:
+        lo, hi = _bounds(c)
+        total += min(max(c.weight * level, lo), hi)
+    return total
+
+
+def water_fill(total: int, claims: list[Claim]) -> dict[str, int]:
+    """Shares ``min(max(weight x level, floor), cap)`` whose sum is ``total`` (whole tokens).
+
+    If the floors alone exceed the total, each gets its floor; if the caps add up to less, each
+    gets its cap. The level is exact (breakpoints of a piecewise-linear sum), then shares are
+    rounded down and the remainder handed out by largest fraction, so the sum is exact.
+    """
+    if not claims:
+        return {}
+    if any(c.weight <= 0 or not math.isfinite(c.weight) for c in claims):
+        raise ValueError("water_fill: weights must be finite and > 0")
+    total = max(0, int(total))
+    floors = sum(_bounds(c)[0] for c in claims)
+    caps = sum(_bounds(c)[1] for c in claims)
+    if floors >= total:
+        return {c.name: int(_bounds(c)[0]) for c in claims}
+    if caps <= total:
+        return {c.name: int(_bounds(c)[1]) for c in claims}
+    # The sum rises with the level, linearly between breakpoints: find the segment holding total.
+    points = sorted({b / c.weight for c in claims for b in _bounds(c) if math.isfinite(b)} | {0.0})
+    lo_level = 0.0
+    hi_level: float | None = None
+    for p in points:
+        if _level_sum(p, claims) >= total:
+            hi_level = p
+            break
+        lo_level = p
+    if hi_level is None:  # beyond the last breakpoint only uncapped claims still grow
+        slope = sum(c.weight for c in claims if c.cap is None)
+        level = lo_level + (total - _level_sum(lo_level, claims)) / slope
+    else:
+        s_lo, s_hi = _level_sum(lo_level, claims), _level_sum(hi_level, claims)
+        frac = 0.0 if s_hi == s_lo else (total - s_lo) / (s_hi - s_lo)
+        level = lo_level + frac * (hi_level - lo_level)
+    exact = {c.name: min(max(c.weight * level, _bounds(c)[0]), _bounds(c)[1]) for c in claims}
+    shares = {n: int(math.floor(v + 1e-9)) for n, v in exact.items()}
+    left = total - sum(shares.values())
+    # Hand the rounding remainder to those below their cap, largest fraction first.
+    order = sorted(claims, key=lambda c: (-(exact[c.name] - shares[c.name]), c.name))
+    while left > 0:
+        gave = False
+        for c in order:
+            if left <= 0:
+                break
+            if shares[c.name] + 1 <= _bounds(c)[1]:
+                shares[c.name] += 1
+                left -= 1
+                gave = True
+        if not gave:
+            break
+    return shares
+
+
+def deadline_total(counted: int, in_flight: int, rate_tok_s: float, now: float, deadline: float,
+                   tail_s: float) -> int:
+    """Tokens the budgets will have counted by ``deadline``: what is counted, what is in flight,
+    and what the fleet makes at ``rate_tok_s`` until admissions stop, ``tail_s`` before it."""
+    admit_for = max(0.0, deadline - now - max(0.0, tail_s))
+    return int(counted + in_flight + max(0.0, rate_tok_s) * admit_for)
+
+
+def phase(now: float, deadline: float | None, tail_s: float) -> str:
+    """none (no deadline), run (admitting), drain (admissions stopped: the last responses finish),
+    over (the deadline has passed: what still runs is aborted)."""
+    if deadline is None:
+        return "none"
+    if now >= deadline:
+        return "over"
+    if now >= deadline - max(0.0, tail_s):
+        return "drain"
+    return "run"
+
+
+class RateMeter:
+    """Counted tokens per second over a sliding window, from samples of a running total.
+
+    The window starts at the first sample that shows progress, so the first wave (nothing can
+    finish before the first responses) does not pull the rate down; ``rate`` is None until
+    ``min_results`` results and a fifth of the window have been seen.
+    """
+
+    def __init__(self, window_s: float, min_results: int = 20) -> None:
+        self.window_s = window_s
+        self.min_results = min_results
+        self._samples: deque[tuple[float, int, int]] = deque()
+        self._base: tuple[int, int] | None = None
+
+    def add(self, now: float, counted: int, results: int) -> None:
+        if self._base is None:
+            self._base = (counted, results)
+        if not self._samples and counted <= self._base[0]:
+            self._base = (counted, results)  # no progress yet: keep waiting for the first result
+            return
+        if self._samples and now <= self._samples[-1][0]:
+            return
+        self._samples.append((now, counted, results))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+
+    def rate(self) -> float | None:
+        if len(self._samples) < 2 or self._base is None:
+            return None
+        t0, c0, _r0 = self._samples[0]
+        t1, c1, r1 = self._samples[-1]
+        span = t1 - t0
+        if r1 - self._base[1] < self.min_results or span < min(self.window_s / 5, 60.0) or span <= 0:
+            return None
+        return max(0.0, (c1 - c0) / span)
+
+
+class Latencies:
+    """The most recent response times (seconds), and their quantiles."""
+
+    def __init__(self, keep: int = 2000) -> None:
+        self._values: deque[float] = deque(maxlen=keep)
+
+    def add(self, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds >= 0:
+            self._values.append(seconds)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def quantile(self, q: float) -> float | None:
+        if not self._values:
+            return None
+        xs = sorted(self._values)
+        k = min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))
+        return xs[k]
