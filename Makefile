@@ -8,7 +8,7 @@ SGLANG_VERSION := $(shell cat tests/SGLANG_VERSION)
 $(BIN)/budgetq: pyproject.toml tests/SGLANG_VERSION
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,conformance]'
+	$(BIN)/pip install -q -e '.[dev,conformance,capture]'  # capture: torch (CPU wheel, ~20 s)
 	# Only its protocol modules are imported (tests/sglang_contract.py): no torch, no GPU stack.
 	$(BIN)/pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
 	touch $@
