@@ -54,7 +54,7 @@ def aux_layers_for(num_layers: int, given: list[int] | None) -> list[int]:
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad or len(set(layers)) != len(layers):
         raise ConfigError(f"features.model.aux_layers {layers}: each must be a distinct decoder layer in "
-                          f"[0, {num_layers - 1}] (the model has {num_layers} layers)")
+                          f"[0, {num_layers - 1}] (the model has {num_layers} layers; set features.model.aux_layers)")
     return layers
 
 
@@ -193,6 +193,7 @@ class TransformersBackend:
     async def start(self) -> None:
         t0 = time.monotonic()
         self.hooked = await asyncio.to_thread(load_model, self.m, self.out_dtype)
+        await asyncio.to_thread(self.hooked.run, [[0] * 8])  # a first pass now: lazy kernel set-up, a broken model
         log.info("features: %s loaded in %.1f s (%d layers, hidden %d, aux layers %s, on %s)", self.m.path,
                  time.monotonic() - t0, len(self.hooked.layers), self.hooked.hidden, self.hooked.aux,
                  self.hooked.device)
