@@ -13,10 +13,11 @@
    Runs alternate direct, pass, direct, pass. Target: pass / direct >= 0.95.
 
 ``--backend transformers``: a random Llama (tests/tiny_llama.py, --hidden-size, --layers) in the
-features worker. The capture pipeline (`budgetq features` + one `budgetq features-worker` with the
-transformers backend: batches, hooks, the last layer and the three aux layers as bf16 bytes, Redis,
-shards + index fsynced) against the bare forward pass of the same model over the same batches (the
-worker's packing rule, features.model.max_batch_tokens, no hooks, nothing kept) in this process.
+features worker. The capture pipeline (`budgetq features` + a features worker with the transformers
+backend, its event loop in a thread of the bench process: batches, hooks, the last layer and the
+three aux layers as bf16 bytes, Redis, shards + index fsynced) against the bare forward pass of the
+same model over the same batches (the worker's passes replayed: the same sample lengths per pass,
+no hooks, nothing kept) in this process.
 Target: pipeline / bare >= 0.9. Then the http path on the same samples and bytes: the pass with a
 main and an aux simulator (JSON, decode), transport-bound (simulated prefill 10^9 tok/s).
 """
@@ -148,21 +149,56 @@ def wait_worker(redis_url: str, deadline_s: float = 300.0) -> None:
         time.sleep(0.1)
 
 
-def bare_forward(model_path: str, samples: list[list[int]], max_batch_tokens: int) -> float:
-    """Seconds of the model's forward passes alone over the samples, batched as the worker batches them."""
+def bare_forward(model_path: str, samples: list[list[int]], batch_lengths: list[list[int]]) -> float:
+    """Seconds of the model's forward passes alone (no hooks, nothing kept) over the batches the worker ran:
+    the same sample lengths per pass (which tokens they hold does not change the cost)."""
     from shared.config import FeaturesModelConfig
-    from worker.capture_hf import load_model, take_batch
+    from worker.capture_hf import load_model
 
     hooked = load_model(FeaturesModelConfig(path=model_path), "bfloat16")
     hooked.remove_hooks()
     hooked.forward(samples[:1])  # warm-up, as the worker's first pass is before the clock too
+    by_len = {len(s): s for s in samples}
     t0 = time.perf_counter()
-    rest = list(samples)
-    while rest:
-        n = take_batch(rest, max_batch_tokens)
-        hooked.forward(rest[:n])
-        rest = rest[n:]
+    for lengths in batch_lengths:
+        hooked.forward([by_len[n] for n in lengths])
     return time.perf_counter() - t0
+
+
+def run_pipeline(cfg_path: Path, out: Path, redis_url: str, concurrency: int) -> tuple[float, list[list[int]]]:
+    """The capture pipeline: a features worker (its event loop in a thread of this process, so its batches
+    can be read back) and the pass (`budgetq features`: enqueue, collect, shards + index fsynced), timed
+    from the pass's start, the worker loaded and warm before; (seconds, the worker's batches)."""
+    import shutil
+    import threading
+
+    import redis as redis_py
+
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+    from worker.capture_hf import TransformersBackend
+    from worker.features import FeaturesWorker
+
+    shutil.rmtree(out / "H", ignore_errors=True)
+    redis_py.Redis.from_url(redis_url).flushall()
+    cfg = load_config(cfg_path)
+    fw = FeaturesWorker(cfg, concurrency)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(fw.run(handle_signals=False)), daemon=True)
+    thread.start()
+    try:
+        wait_worker(redis_url)
+        fp = FeaturesPass(cfg, redis_py.Redis.from_url(cfg.redis_url))
+        t0 = time.perf_counter()
+        rep = fp.run()
+        elapsed = time.perf_counter() - t0
+    finally:
+        loop.call_soon_threadsafe(fw.request_stop, "bench done")
+        thread.join(60)
+    if not rep.ok or rep.datasets["H"]["captured"] == 0:
+        raise SystemExit(f"features pass failed: {rep}")
+    assert isinstance(fw.backend, TransformersBackend)
+    return elapsed, list(fw.backend.batch_lengths)
 
 
 def run_hf_pass(cfg_path: Path, out: Path, redis_url: str, concurrency: int, backend_env: dict | None = None) -> float:
@@ -217,14 +253,14 @@ def transformers_main(args: argparse.Namespace, tmp: Path) -> None:
             "path": model, "max_batch_tokens": args.max_batch_tokens}}}))
         table = []
         for pair in range(args.pairs):
-            bare = bare_forward(model, samples, args.max_batch_tokens)
-            pipe = run_hf_pass(hf_cfg, out, redis.url, args.concurrency)
-            table.append([pair + 1, f"{args.hidden_size} x {args.layers} layers", len(samples), total,
+            pipe, batches = run_pipeline(hf_cfg, out, redis.url, args.concurrency)
+            bare = bare_forward(model, samples, batches)
+            table.append([pair + 1, f"{args.hidden_size} x {args.layers} layers", len(samples), total, len(batches),
                           round(total / bare), round(total / pipe), round(bare / pipe, 3)])
         print(f"\n## transformers backend: capture pipeline vs bare forward ({args.concurrency} in flight, batches "
               f"of <= {args.max_batch_tokens} tokens, bf16, torch threads {__import__('torch').get_num_threads()})\n")
-        print(c.md_table(["pair", "model", "samples", "tokens", "bare forward tok/s", "pipeline tok/s",
-                          "ratio pipeline / bare"], table))
+        print(c.md_table(["pair", "model", "samples", "tokens", "forward passes", "bare forward tok/s",
+                          "pipeline tok/s", "ratio pipeline / bare"], table), flush=True)
         urls = []
         for flag in ("--enable-return-hidden-states", "--enable-return-aux-hidden-states"):
             port = free_port()
@@ -240,7 +276,7 @@ def transformers_main(args: argparse.Namespace, tmp: Path) -> None:
         bpt = 2 * args.hidden_size * 4
         print("\n## the same samples and bytes (last layer + 3 aux layers, bf16) on the http path\n")
         print(c.md_table(["path", "tok/s", "bytes/token on the wire", "bytes/token stored"],
-                         [["transformers backend (pipeline, best pair)", max(r[5] for r in table),
+                         [["transformers backend (pipeline, best pair)", max(r[6] for r in table),
                            f"{bpt} (bf16 through Redis)", bpt],
                           ["http: main + aux simulator, JSON decoded (prefill ~free)", round(total / http_s),
                            f"~{round(11 * args.hidden_size * 4)} (JSON)", bpt]]))

@@ -22,52 +22,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from multiprocessing import get_context
-from typing import Protocol
 
 import aiohttp
 
 from shared.config import Config, ServerConfig
 from shared.features_schema import FeaturesPayload
+from worker.capture_hf import TransformersBackend
+from worker.captured import CaptureBackend, Captured
 from worker.hidden_decode import HiddenStatesError, decode
 from worker.sglang_client import HiddenStatesClient
 
 # Before the first response: JSON bytes per token of a 4096-wide model (~11 characters a float).
 FIRST_GUESS_JSON_BYTES_PER_TOKEN = 4096 * 11
-
-
-@dataclass
-class Captured:
-    """One sample's tensors: ``data`` [tokens, hidden] (the target), ``aux`` [tokens, 3 x hidden] or None."""
-
-    data: bytes
-    shape: list[int]
-    aux: bytes | None = None
-    aux_shape: list[int] | None = None
-    endpoint: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + (len(self.aux) if self.aux is not None else 0)
-
-
-class CaptureBackend(Protocol):
-    """What the features worker needs of a backend. ``hold(n)`` tells the worker how many bytes this
-    job holds right now (its worker_max_mb accounting); a failure of this sample only raises
-    HiddenStatesError (or the client's request errors), which fails that job."""
-
-    name: str
-
-    async def start(self) -> None: ...
-
-    def bytes_per_token(self) -> float:
-        """Bytes a job holds per token at its peak (memory admission before the request is sent)."""
-        ...
-
-    async def capture(self, payload: FeaturesPayload, job_id: str, hold: Callable[[int], None]) -> Captured: ...
-
-    async def close(self) -> None: ...
 
 
 def features_server(cfg: Config) -> ServerConfig:
@@ -143,9 +110,7 @@ class HttpBackend:
 
 
 def make_backend(cfg: Config, decode_processes: int | None = None) -> CaptureBackend:
-    """The backend features.backend names (the transformers one imports torch: only when chosen)."""
+    """The backend features.backend names (the transformers one imports torch when it starts)."""
     if cfg.features.backend == "transformers":
-        from worker.capture_hf import TransformersBackend
-
         return TransformersBackend(cfg)
     return HttpBackend(cfg, decode_processes)

@@ -27,21 +27,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from shared.config import Config, FeaturesModelConfig
 from shared.errors import ConfigError
 from shared.features_schema import FeaturesPayload
-from worker.capture_backend import Captured
+from worker.captured import Captured
 from worker.hidden_decode import HiddenStatesError
 
 log = logging.getLogger("budgetq.features")
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _torch() -> Any:
+    """torch, imported when this backend is used: the http backend's workers never load it (the capture extra)."""
+    import torch
+
+    return torch
+
+
+def torch_dtype(name: str) -> Any:
+    return getattr(_torch(), name)  # float16, bfloat16, float32
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -75,11 +84,11 @@ class HookedModel:
         self.model = model
         self.layers, self.norm = decoder_parts(model)
         self.aux = aux_layers_for(len(self.layers), aux_layers)
-        self.out_dtype = TORCH_DTYPES[out_dtype]
+        self.out_dtype = torch_dtype(out_dtype)
         self.hidden = int(model.config.hidden_size)
         self.vocab = int(model.config.vocab_size)
         self.device = model.get_input_embeddings().weight.device
-        self._got: dict[int | str, torch.Tensor] = {}
+        self._got: dict[int | str, Any] = {}
         self.handles = [self.layers[i].register_forward_hook(self._keep(i)) for i in self.aux]
         self.handles.append(self.norm.register_forward_hook(self._keep("norm")))
 
@@ -96,6 +105,7 @@ class HookedModel:
 
     def forward(self, batch: list[list[int]]) -> None:
         """The bare pass over a right-padded batch (the bench times this one with the hooks removed)."""
+        torch = _torch()
         longest = max(len(ids) for ids in batch)
         ids = torch.zeros((len(batch), longest), dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -107,6 +117,7 @@ class HookedModel:
 
     def run(self, batch: list[list[int]]) -> list[Captured | HiddenStatesError]:
         """One forward pass; per sample its target and aux rows (padding cut), as bytes, or why it failed."""
+        torch = _torch()
         self._got.clear()
         try:
             self.forward(batch)
@@ -128,15 +139,15 @@ class HookedModel:
         return out
 
 
-def _bytes(t: torch.Tensor, dtype: torch.dtype) -> bytes:
+def _bytes(t: Any, dtype: Any) -> bytes:
     """Little-endian float16/bfloat16 bytes of a 2-D tensor (numpy has no bfloat16: viewed as int16)."""
-    return t.to(dtype=dtype).contiguous().cpu().view(torch.int16).numpy().tobytes()
+    return bytes(t.to(dtype=dtype).contiguous().cpu().view(_torch().int16).numpy().tobytes())
 
 
 def load_model(m: FeaturesModelConfig, out_dtype: str) -> HookedModel:
     from transformers import AutoModel
 
-    kwargs: dict[str, Any] = {"dtype": TORCH_DTYPES[m.dtype or out_dtype], "trust_remote_code": m.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(m.dtype or out_dtype), "trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     if m.device_map:
@@ -189,6 +200,8 @@ class TransformersBackend:
         self.pending: list[_Pending] = []
         self.passes = 0            # forward passes run
         self.batched = 0           # samples they carried
+        # The last passes' sample lengths (bench/features.py replays them as bare forward passes).
+        self.batch_lengths: deque[list[int]] = deque(maxlen=10_000)
 
     async def start(self) -> None:
         t0 = time.monotonic()
@@ -243,6 +256,7 @@ class TransformersBackend:
                 results = [HiddenStatesError(msg)] * len(batch)
             self.passes += 1
             self.batched += len(batch)
+            self.batch_lengths.append([len(p.ids) for p in batch])
             for p, r in zip(batch, results, strict=True):
                 if p.future.done():
                     continue

@@ -41,7 +41,8 @@ from shared.retry import REDIS_DOWN
 from shared.scripts import arun
 from shared.stats import Stat
 from worker import rq_adapter
-from worker.capture_backend import CaptureBackend, Captured, HttpBackend, features_server, make_backend
+from worker.capture_backend import HttpBackend, features_server, make_backend
+from worker.captured import CaptureBackend, Captured
 from worker.hidden_decode import HiddenStatesError
 
 log = logging.getLogger("budgetq.features")
