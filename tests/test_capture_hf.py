@@ -266,3 +266,19 @@ def test_a_plain_rq_worker_runs_a_transformers_features_job(tmp_path, redis_url,
     res = run_features(cfg_path, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     check_hf_samples(tmp_path / "out", tiny[1], ids)
+
+
+def test_bench_transformers_smoke_prints_the_ratio():
+    """bench/features.py --backend transformers --smoke runs end to end; never a timing target (shared machine)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import number, parse_md_tables
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "features.py"), "--backend", "transformers",
+                           "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tables = parse_md_tables(proc.stdout)
+    assert len(tables) == 2, proc.stdout
+    assert all(number(r["ratio pipeline / bare"]) > 0 and number(r["forward passes"]) >= 1 for r in tables[0])
+    assert [number(r["tok/s"]) > 0 for r in tables[1]] == [True, True]
