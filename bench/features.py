@@ -1,6 +1,7 @@
-"""Hidden states (issue 17): decode/write MB/s per process, and the features pass against a direct client.
+"""Hidden states: decode/write MB/s per process, and the features pass against a direct client.
 
     python bench/features.py [--smoke] [--hidden-size 4096] [--rows 48] [--concurrency 8]
+    python bench/features.py --backend transformers [--smoke] [--hidden-size 1024] [--layers 8]
 
 1. Per worker process: MB/s of hidden states decoded (SGLang's JSON -> bfloat16 bytes,
    worker/hidden_decode.py) and written (safetensors shards, producer/feature_store.py).
@@ -10,6 +11,15 @@
    pool of the same size, each sample's bytes written to a file. Both against one simulator
    (`--enable-return-hidden-states`, the chosen hidden size, its prefill capacity model).
    Runs alternate direct, pass, direct, pass. Target: pass / direct >= 0.95.
+
+``--backend transformers``: a random Llama (tests/tiny_llama.py, --hidden-size, --layers) in the
+features worker. The capture pipeline (`budgetq features` + a features worker with the transformers
+backend, its event loop in a thread of the bench process: batches, hooks, the last layer and the
+three aux layers as bf16 bytes, Redis, shards + index fsynced) against the bare forward pass of the
+same model over the same batches (the worker's passes replayed: the same sample lengths per pass,
+no hooks, nothing kept) in this process.
+Target: pipeline / bare >= 0.9. Then the http path on the same samples and bytes: the pass with a
+main and an aux simulator (JSON, decode), transport-bound (simulated prefill 10^9 tok/s).
 """
 
 from __future__ import annotations
@@ -127,6 +137,155 @@ def run_pass(cfg_path: Path, out: Path, concurrency: int) -> float:
     return elapsed
 
 
+def wait_worker(redis_url: str, deadline_s: float = 300.0) -> None:
+    """Until a features worker registered (the transformers one after loading its model)."""
+    import redis as redis_py
+
+    conn = redis_py.Redis.from_url(redis_url)
+    t0 = time.monotonic()
+    while not conn.scard("rq:workers"):
+        if time.monotonic() - t0 > deadline_s:
+            raise SystemExit("no features worker registered")
+        time.sleep(0.1)
+
+
+def bare_forward(model_path: str, samples: list[list[int]], batch_lengths: list[list[int]]) -> float:
+    """Seconds of the model's forward passes alone (no hooks, nothing kept) over the batches the worker ran:
+    the same sample lengths per pass (which tokens they hold does not change the cost)."""
+    from shared.config import FeaturesModelConfig
+    from worker.capture_hf import load_model
+
+    hooked = load_model(FeaturesModelConfig(path=model_path), "bfloat16")
+    hooked.remove_hooks()
+    hooked.forward(samples[:1])  # warm-up, as the worker's first pass is before the clock too
+    by_len = {len(s): s for s in samples}
+    t0 = time.perf_counter()
+    for lengths in batch_lengths:
+        hooked.forward([by_len[n] for n in lengths])
+    return time.perf_counter() - t0
+
+
+def run_pipeline(cfg_path: Path, out: Path, redis_url: str, concurrency: int) -> tuple[float, list[list[int]]]:
+    """The capture pipeline: a features worker (its event loop in a thread of this process, so its batches
+    can be read back) and the pass (`budgetq features`: enqueue, collect, shards + index fsynced), timed
+    from the pass's start, the worker loaded and warm before; (seconds, the worker's batches)."""
+    import shutil
+    import threading
+
+    import redis as redis_py
+
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+    from worker.capture_hf import TransformersBackend
+    from worker.features import FeaturesWorker
+
+    shutil.rmtree(out / "H", ignore_errors=True)
+    redis_py.Redis.from_url(redis_url).flushall()
+    cfg = load_config(cfg_path)
+    fw = FeaturesWorker(cfg, concurrency)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(fw.run(handle_signals=False)), daemon=True)
+    thread.start()
+    try:
+        wait_worker(redis_url)
+        fp = FeaturesPass(cfg, redis_py.Redis.from_url(cfg.redis_url))
+        t0 = time.perf_counter()
+        rep = fp.run()
+        elapsed = time.perf_counter() - t0
+    finally:
+        loop.call_soon_threadsafe(fw.request_stop, "bench done")
+        thread.join(60)
+    if not rep.ok or rep.datasets["H"]["captured"] == 0:
+        raise SystemExit(f"features pass failed: {rep}")
+    assert isinstance(fw.backend, TransformersBackend)
+    return elapsed, list(fw.backend.batch_lengths)
+
+
+def run_hf_pass(cfg_path: Path, out: Path, redis_url: str, concurrency: int, backend_env: dict | None = None) -> float:
+    import shutil
+
+    import redis as redis_py
+
+    from producer.features import FeaturesPass
+    from shared.config import load_config
+
+    shutil.rmtree(out / "H", ignore_errors=True)
+    redis_py.Redis.from_url(redis_url).flushall()
+    cfg = load_config(cfg_path)
+    worker = subprocess.Popen([*c.CLI, "--log-level", "WARNING", "features-worker", "-c", str(cfg_path),
+                               "--concurrency", str(concurrency)], cwd=c.ROOT, env=c.ENV)
+    try:
+        wait_worker(redis_url)
+        fp = FeaturesPass(cfg, redis_py.Redis.from_url(cfg.redis_url))
+        t0 = time.perf_counter()
+        rep = fp.run()
+        elapsed = time.perf_counter() - t0
+    finally:
+        c.stop_process(worker)
+    if not rep.ok or rep.datasets["H"]["captured"] == 0:
+        raise SystemExit(f"features pass failed: {rep}")
+    return elapsed
+
+
+def transformers_main(args: argparse.Namespace, tmp: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.tiny_llama import make_tiny_llama
+
+    out = tmp / "out"
+    out.mkdir()
+    write_rows(out / "H.jsonl", args.rows, args.answer_words)
+    tok = make_tiny_tokenizer(tmp / "tok", WORDS)
+    tokenizer = load_tokenizer(tok)
+    samples = [conversation_ids(tokenizer, r, {})[0] for r in committed_rows(out / "H.jsonl")]
+    total = sum(len(s) for s in samples)
+    model = make_tiny_llama(tmp / "llama", len(AutoTokenizer.from_pretrained(tok)), args.hidden_size, args.layers)
+    redis = c.LocalRedis()
+    sims: list[subprocess.Popen] = []
+    try:
+        base = {"redis_url": redis.url, "output_dir": str(out), "server": {"urls": ["http://127.0.0.1:9"],
+                                                                           "tokenizer": tok},
+                "datasets": [{"name": "H", "path": str(out / "H.jsonl"), "budget": "1M"}]}
+        feats = {"concurrency": args.concurrency, "dtype": "bfloat16", "shard_mb": args.shard_mb,
+                 "decode_processes": args.decode_processes}
+        hf_cfg = tmp / "hf.yaml"
+        hf_cfg.write_text(yaml.safe_dump({**base, "features": {**feats, "backend": "transformers", "model": {
+            "path": model, "max_batch_tokens": args.max_batch_tokens}}}))
+        table = []
+        for pair in range(args.pairs):
+            pipe, batches = run_pipeline(hf_cfg, out, redis.url, args.concurrency)
+            bare = bare_forward(model, samples, batches)
+            table.append([pair + 1, f"{args.hidden_size} x {args.layers} layers", len(samples), total, len(batches),
+                          round(total / bare), round(total / pipe), round(bare / pipe, 3)])
+        print(f"\n## transformers backend: capture pipeline vs bare forward ({args.concurrency} in flight, batches "
+              f"of <= {args.max_batch_tokens} tokens, bf16, torch threads {__import__('torch').get_num_threads()})\n")
+        print(c.md_table(["pair", "model", "samples", "tokens", "forward passes", "bare forward tok/s",
+                          "pipeline tok/s", "ratio pipeline / bare"], table), flush=True)
+        urls = []
+        for flag in ("--enable-return-hidden-states", "--enable-return-aux-hidden-states"):
+            port = free_port()
+            sims.append(subprocess.Popen([*c.CLI, "--log-level", "WARNING", "sim", "--port", str(port), flag,
+                                          "--hidden-size", str(args.hidden_size), "--prefill-tok-s", "1e9",
+                                          "--max-running-requests", "64"], cwd=c.ROOT, env=c.ENV))
+            urls.append(f"http://127.0.0.1:{port}")
+            wait_http(urls[-1] + "/health")
+        http_cfg = tmp / "http.yaml"
+        http_cfg.write_text(yaml.safe_dump({**base, "features": {**feats, "server": {"urls": urls[:1],
+                                                                                       "aux_urls": urls[1:]}}}))
+        http_s = run_hf_pass(http_cfg, out, redis.url, args.concurrency)
+        bpt = 2 * args.hidden_size * 4
+        print("\n## the same samples and bytes (last layer + 3 aux layers, bf16) on the http path\n")
+        print(c.md_table(["path", "tok/s", "bytes/token on the wire", "bytes/token stored"],
+                         [["transformers backend (pipeline, best pair)", max(r[6] for r in table),
+                           f"{bpt} (bf16 through Redis)", bpt],
+                          ["http: main + aux simulator, JSON decoded (prefill ~free)", round(total / http_s),
+                           f"~{round(11 * args.hidden_size * 4)} (JSON)", bpt]]))
+    finally:
+        for s in sims:
+            c.stop_process(s)
+        redis.stop()
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
@@ -140,9 +299,21 @@ def main(argv: list[str]) -> int:
     # Shards close during the run, as in a real one (hours at 512 MB a shard); the pass's last write
     # (one shard) is its tail, which a short run would otherwise weigh far more than a real one does.
     ap.add_argument("--shard-mb", type=float, default=16.0)
+    ap.add_argument("--backend", choices=["http", "transformers"], default="http")
+    ap.add_argument("--layers", type=int, default=8, help="transformers: decoder layers of the random Llama")
+    ap.add_argument("--max-batch-tokens", type=int, default=4096, help="transformers: features.model.max_batch_tokens")
     args = ap.parse_args(argv)
     if args.smoke:
         args.hidden_size, args.rows, args.answer_words, args.pairs = 256, 8, 60, 1
+    if args.backend == "transformers":
+        if args.smoke:
+            args.layers, args.max_batch_tokens = 8, 512
+        elif "--hidden-size" not in argv:
+            args.hidden_size = 1024
+        c.print_header("Hidden states: the transformers capture backend vs the bare forward pass",
+                       ["bench/features.py", *argv])
+        transformers_main(args, Path(tempfile.mkdtemp(prefix="bq-features-bench-")))
+        return 0
     c.print_header("Hidden states: decode/write per process, features pass vs direct client", ["bench/features.py",
                                                                                                   *argv])
     tmp = Path(tempfile.mkdtemp(prefix="bq-features-bench-"))

@@ -317,8 +317,34 @@ class FeaturesServerConfig(_Strict):
         return self
 
 
+class FeaturesModelConfig(_Strict):
+    """The target model the ``transformers`` capture backend loads into the features worker (worker/capture_hf.py)."""
+
+    # A local directory or a hub id (as AutoModel.from_pretrained takes it).
+    path: str = Field(min_length=1)
+    # The dtype the model runs in; None: features.dtype.
+    dtype: Literal["float16", "bfloat16", "float32"] | None = None
+    # Where it runs: "cpu", "cuda", "cuda:1"...; or device_map ("auto" spreads a model over the GPUs).
+    device: str = "cpu"
+    device_map: str | None = None
+    # transformers' attention implementation (sdpa, eager, flash_attention_2); None: transformers' default.
+    attn_implementation: str | None = None
+    # EAGLE-3's aux layers, as SpecForge numbers them (the output of decoder layer i); None: its default
+    # [1, L // 2 - 1, L - 4], what SGLang captures too; [] captures the last layer only.
+    aux_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    # A forward pass takes queued samples up to this many tokens (padding included); one longer runs alone.
+    max_batch_tokens: int = Field(default=16384, gt=0)
+    # How long a batch waits for more samples once one is there (the other jobs' requests are in flight).
+    batch_wait_s: float = Field(default=0.01, ge=0)
+    trust_remote_code: bool = False
+
+
 class FeaturesConfig(_Strict):
     server: FeaturesServerConfig = Field(default_factory=FeaturesServerConfig)
+    # How features workers get hidden states: http (prefills on SGLang servers started with
+    # --enable-return-hidden-states) or transformers (the worker loads features.model and runs it itself).
+    backend: Literal["http", "transformers"] = "http"
+    model: FeaturesModelConfig | None = None
     # How hidden states are stored: float16, or bfloat16 (the models' own dtype; no overflow).
     dtype: Literal["float16", "bfloat16"] = "bfloat16"
     # A shard (out/<ds>/features/<n>.safetensors) is closed and written once it holds this much.
@@ -341,6 +367,13 @@ class FeaturesConfig(_Strict):
     @property
     def shard_bytes(self) -> int:
         return int(self.shard_mb * 2**20)
+
+    @model_validator(mode="after")
+    def _backend_has_a_model(self) -> FeaturesConfig:
+        if self.backend == "transformers" and self.model is None:
+            raise ValueError("features.backend transformers needs features.model.path (a local model directory "
+                             "or a hub id)")
+        return self
 
 
 class Config(_Strict):

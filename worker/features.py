@@ -2,10 +2,11 @@
 
 A small asyncio loop of its own, apart from the generation worker (worker/runner.py): it claims
 jobs of the ``bq-<ds>-features`` queues with the same claim/finish/requeue scripts
-(shared/jobs.py, so rq-dashboard shows them), sends one prefill per job through the one SGLang
-client (worker/sglang_client.py ``HiddenStatesClient``), decodes the JSON in a process pool
-(worker/hidden_decode.py) and XADDs the tensor bytes to the dataset's features stream, where the
-producer-side collector (producer/features.py) writes shards: workers need no shared filesystem.
+(shared/jobs.py, so rq-dashboard shows them), hands each job's token ids to its capture backend
+(worker/capture_backend.py: ``http`` prefills on SGLang servers and decodes their JSON;
+``transformers`` runs the model in this process, worker/capture_hf.py) and XADDs the tensor bytes
+to the dataset's features stream, where the producer-side collector (producer/features.py) writes
+shards: workers need no shared filesystem.
 
 Memory is bounded twice: this process holds at most ``features.worker_max_mb`` of responses and
 decoded tensors (claims wait; one job is always allowed), and it claims nothing for a dataset
@@ -23,16 +24,14 @@ import signal
 import socket
 import time
 import uuid
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from multiprocessing import get_context
+from typing import Any
 
-import aiohttp
 from rq import get_current_job
 
 from shared import jobs, keys
-from shared.config import Config, ServerConfig, load_config
+from shared.config import Config, load_config
 from shared.errors import FatalRequestError, RetryableRequestError
 from shared.features_schema import FeaturesMeta, FeaturesPayload
 from shared.identity import job_id as job_id_of
@@ -42,21 +41,17 @@ from shared.retry import REDIS_DOWN
 from shared.scripts import arun
 from shared.stats import Stat
 from worker import rq_adapter
-from worker.hidden_decode import HiddenStatesError, decode
-from worker.sglang_client import HiddenStatesClient
+from worker.capture_backend import HttpBackend, features_server, make_backend
+from worker.captured import CaptureBackend, Captured
+from worker.hidden_decode import HiddenStatesError
 
 log = logging.getLogger("budgetq.features")
 MB = 2**20
-# Before the first response: JSON bytes per token of a 4096-wide model (~11 characters a float).
-FIRST_GUESS_JSON_BYTES_PER_TOKEN = 4096 * 11
 # Longest wait between polls of idle queues (a claim round trip per dataset each time).
 IDLE_POLL_S = 0.1
 
 
-def features_server(cfg: Config) -> ServerConfig:
-    """features.server.urls when given (servers started with the hidden-states flag), else server.urls."""
-    urls = cfg.features.server.urls
-    return cfg.server.model_copy(update={"urls": urls}) if urls else cfg.server
+__all__ = ["FeaturesWorker", "features_server", "run_features_job"]
 
 
 @dataclass
@@ -79,7 +74,7 @@ class FeaturesWorker:
         self.conn = connect(cfg.redis_url)
         self.held: dict[str, _Held] = {}
         self.held_bytes = 0
-        self.json_bytes_per_token = float(FIRST_GUESS_JSON_BYTES_PER_TOKEN)
+        self.backend: CaptureBackend = make_backend(cfg)
         self.processed = 0
         self.failed = 0
         self.memory_waits = 0      # jobs that waited for features.worker_max_mb
@@ -92,7 +87,7 @@ class FeaturesWorker:
     def _room_for(self, n_tokens: int) -> bool:
         """Whether a job of n tokens may send its request now: it fits under features.worker_max_mb
         with what the other jobs hold, or nothing is held at all (one job always runs)."""
-        est = n_tokens * self.json_bytes_per_token * (4 if self.cfg.features.server.aux_urls else 1)
+        est = n_tokens * self.backend.bytes_per_token()
         return self.held_bytes == 0 or self.held_bytes + est <= self.f.worker_max_mb * MB
 
     async def _claimable(self) -> list[str]:
@@ -168,29 +163,18 @@ class FeaturesWorker:
                     waited = True
                 self.wake.clear()
                 await self.wake.wait()
-            self._hold(h, int(n * self.json_bytes_per_token))  # no await since the check: nobody overtakes
+            self._hold(h, int(n * self.backend.bytes_per_token()))  # no await since the check: nobody overtakes
             self.peak_held_jobs = max(self.peak_held_jobs, sum(1 for x in self.held.values() if x.bytes))
             try:
-                blob, shape, endpoint = await self._capture(self.client, h, payload, 0)
-                aux: tuple[bytes, list[int], str] | None = None
-                if self.aux_client is not None:  # the same prefill on a server returning EAGLE-3's aux layers
-                    aux = await self._capture(self.aux_client, h, payload, len(blob))
-                    if aux[1][0] != shape[0]:
-                        raise HiddenStatesError(f"aux server returned {aux[1][0]} rows, main server {shape[0]}")
+                got = await self.backend.capture(payload, h.claimed.job_id, lambda nbytes: self._hold(h, nbytes))
             except (FatalRequestError, RetryableRequestError, HiddenStatesError) as exc:
                 log.warning("features job %s failed: %s", h.claimed.job_id, exc)
                 await self._finish(h, jobs.JobEnd.failed(str(exc)))
                 return
-            meta = FeaturesMeta(**payload.model_dump(), shape=shape, endpoint=endpoint,
-                                aux_shape=aux[1] if aux else None)
-            fields = {"id": payload.id, "meta": meta.model_dump_json(), "data": blob}
-            if aux is not None:
-                fields["aux"] = aux[0]
-            async with self.aconn.pipeline(transaction=True) as p:
-                p.xadd(keys.features_results_key(h.ds), fields)  # type: ignore[arg-type]
-                p.incrby(keys.features_pending_key(h.ds), len(blob) + (len(aux[0]) if aux else 0))
-                await p.execute()
-            del blob, aux, fields
+            self._hold(h, got.nbytes)
+            await xadd_result(self.aconn, payload, got)
+            shape = got.shape
+            del got
             # A kill here leaves the entry in the stream and the job started: its lease lapses, it
             # runs again, and the collector keeps the first copy of the id only.
             await self._finish(h, jobs.JobEnd(jobs.Ending.FINISHED, {"status": "captured", "shape": shape},
@@ -202,7 +186,8 @@ class FeaturesWorker:
             # A decode process died (OOM killer?): a fresh pool, and the job goes back to its queue.
             log.error("features worker %s: a decode process died; restarting the pool, requeueing %s", self.name,
                       h.claimed.job_id)
-            self._new_decoders()
+            if isinstance(self.backend, HttpBackend):
+                self.backend.new_decoders()
             await self._requeue(h, name)
         except Exception:  # noqa: BLE001 - Redis down mid-job, a bug: the job's lease lapses and it comes back
             log.exception("features job %s: left to its lease (requeued by `budgetq features`)", h.claimed.job_id)
@@ -210,19 +195,6 @@ class FeaturesWorker:
             self._hold(h, 0)
             self.held.pop(h.claimed.member, None)
             self.wake.set()
-
-    async def _capture(self, client: HiddenStatesClient, h: _Held, payload: FeaturesPayload,
-                       kept: int) -> tuple[bytes, list[int], str]:
-        """One prefill and its decode: (tensor bytes, shape, endpoint); ``kept`` bytes of this job are held already."""
-        n = len(payload.input_ids)
-        raw = await client.prefill_hidden_states(payload.input_ids, h.claimed.job_id)
-        self._hold(h, kept + len(raw.body))
-        if client is self.client:
-            self.json_bytes_per_token = 0.8 * self.json_bytes_per_token + 0.2 * len(raw.body) / n
-        blob, shape = await asyncio.get_running_loop().run_in_executor(
-            self.decoders, decode, raw.body, n, payload.dtype)
-        self._hold(h, kept + len(blob))
-        return blob, shape, raw.endpoint
 
     async def _finish(self, h: _Held, end: jobs.JobEnd) -> None:
         call = jobs.finish(keys.features_name(h.ds), h.claimed, end, h.started_at, self.name)
@@ -235,13 +207,6 @@ class FeaturesWorker:
             await arun(self.aconn, jobs.requeue(name, h.claimed.member, h.claimed.job_id))
         except Exception as exc:  # noqa: BLE001 - the lease brings it back anyway
             log.warning("features job %s: requeue failed (%s); its lease will bring it back", h.claimed.job_id, exc)
-
-    def _new_decoders(self) -> None:
-        old = getattr(self, "decoders", None)
-        # spawn: a forked child of a process running an event loop and sockets inherits both.
-        self.decoders = ProcessPoolExecutor(self.f.decode_processes, mp_context=get_context("spawn"))
-        if old is not None:
-            old.shutdown(wait=False, cancel_futures=True)
 
     # -- loops ---------------------------------------------------------------------------
     async def _heartbeats(self) -> None:
@@ -268,18 +233,12 @@ class FeaturesWorker:
         for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
             loop.add_signal_handler(sig, self._on_signal, sig.name)
         self.aconn = aconnect(self.cfg.redis_url, max_connections=16)
+        # The backend first (a model may take minutes to load): no worker is registered, nothing claimed meanwhile.
+        await self.backend.start()
         self.rq_worker = await asyncio.to_thread(rq_adapter.register_worker, self.conn, self.name)
-        self._new_decoders()
-        # Start the decode processes now (a pool spawns them at first use, ~1 s each of imports).
-        await asyncio.gather(*[loop.run_in_executor(self.decoders, int, 0) for _ in range(self.f.decode_processes)])
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.client = HiddenStatesClient(session, features_server(self.cfg))
-        aux_urls = self.cfg.features.server.aux_urls
-        self.aux_client = (HiddenStatesClient(session, self.cfg.server.model_copy(update={"urls": aux_urls}))
-                           if aux_urls else None)
         beats = asyncio.create_task(self._heartbeats())
-        log.info("features worker %s: %d in flight, up to %.0f MB held", self.name, self.concurrency,
-                 self.f.worker_max_mb)
+        log.info("features worker %s: %s backend, %d in flight, up to %.0f MB held", self.name, self.backend.name,
+                 self.concurrency, self.f.worker_max_mb)
         try:
             await self._feed()
             tasks = [h.task for h in self.held.values() if h.task is not None]
@@ -289,11 +248,7 @@ class FeaturesWorker:
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             beats.cancel()
-            await self.client.close()
-            if self.aux_client is not None:
-                await self.aux_client.close()
-            await session.close()
-            self.decoders.shutdown(wait=False, cancel_futures=True)
+            await self.backend.close()
             try:
                 await asyncio.to_thread(self.rq_worker.register_death)
             except Exception:  # noqa: BLE001 - the worker key expires anyway
@@ -305,42 +260,40 @@ class FeaturesWorker:
         return 0
 
 
+async def xadd_result(conn: Any, payload: FeaturesPayload, got: Captured) -> None:
+    """The sample's bytes to its dataset's results stream, and its size to the pending counter, in one MULTI."""
+    meta = FeaturesMeta(**payload.model_dump(), shape=got.shape, endpoint=got.endpoint, aux_shape=got.aux_shape)
+    fields: dict = {"id": payload.id, "meta": meta.model_dump_json(), "data": got.data}
+    if got.aux is not None:
+        fields["aux"] = got.aux
+    async with conn.pipeline(transaction=True) as p:
+        p.xadd(keys.features_results_key(payload.dataset), fields)
+        p.incrby(keys.features_pending_key(payload.dataset), got.nbytes)
+        await p.execute()
+
+
 def run_features_job(payload: dict) -> dict:
-    """The RQ job function of a features job, for a plain ``rq worker`` (debugging, fallback): one prefill
-    (and its aux one), decoded in this process, the bytes XADDed to the collector's stream, as
-    ``budgetq features-worker`` does with many at once. Set BUDGETQ_CONFIG (or BUDGETQ_* env vars)."""
+    """The RQ job function of a features job, for a plain ``rq worker`` (debugging, fallback): one capture
+    through the configured backend (http: decoded in this process; transformers: the model is loaded for
+    this job), the bytes XADDed to the collector's stream, as ``budgetq features-worker`` does with many at
+    once. Set BUDGETQ_CONFIG (or BUDGETQ_* env vars)."""
     cfg = load_config(os.environ.get("BUDGETQ_CONFIG"))
     p = FeaturesPayload.model_validate(payload)
     job = get_current_job()
     job_id = job.id if job is not None else job_id_of(keys.features_name(p.dataset), p.id)
-    aux_urls = cfg.features.server.aux_urls
 
     async def main() -> dict:
-        async with aiohttp.ClientSession() as session:
-            clients = [HiddenStatesClient(session, features_server(cfg))]
-            if aux_urls:
-                clients.append(HiddenStatesClient(session, cfg.server.model_copy(update={"urls": aux_urls})))
-            got = []
-            try:
-                for client in clients:
-                    raw = await client.prefill_hidden_states(p.input_ids, job_id)
-                    got.append((*decode(raw.body, len(p.input_ids), p.dtype), raw.endpoint))
-            finally:
-                for client in clients:
-                    await client.close()
-        (blob, shape, endpoint), aux = got[0], (got[1] if len(got) > 1 else None)
-        meta = FeaturesMeta(**p.model_dump(), shape=shape, endpoint=endpoint, aux_shape=aux[1] if aux else None)
-        fields: dict = {"id": p.id, "meta": meta.model_dump_json(), "data": blob}
-        if aux is not None:
-            fields["aux"] = aux[0]
+        backend = make_backend(cfg, decode_processes=0)
+        await backend.start()
+        try:
+            got = await backend.capture(p, job_id, lambda _n: None)
+        finally:
+            await backend.close()
         conn = aconnect(cfg.redis_url, max_connections=2)
         try:
-            async with conn.pipeline(transaction=True) as pipe:
-                pipe.xadd(keys.features_results_key(p.dataset), fields)
-                pipe.incrby(keys.features_pending_key(p.dataset), len(blob) + (len(aux[0]) if aux else 0))
-                await pipe.execute()
+            await xadd_result(conn, p, got)
         finally:
             await conn.aclose()
-        return {"status": "captured", "shape": shape}
+        return {"status": "captured", "shape": got.shape}
 
     return asyncio.run(main())
