@@ -217,7 +217,8 @@ def test_sigkill_between_write_and_commit_leaves_no_orphan_or_duplicate(tmp_path
         env = dict(os.environ, BUDGETQ_FEATURES_CRASH_AFTER_SHARD="1")
         p = subprocess.Popen([*PY, "features", "-c", str(cfg)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-        assert p.wait(120) == -signal.SIGKILL, p.stdout.read() if p.stdout else ""
+        output = p.communicate(timeout=120)[0]  # (communicate closes the pipe: no unclosed file)
+        assert p.returncode == -signal.SIGKILL, output
         d = features_dir(out, "A")
         assert list(d.glob("*.safetensors")) and index_rows(d / "index.jsonl") == []
         assert conn.xlen(keys.features_results_key("A")) > 0, "the stream still holds what the shard holds"
