@@ -362,8 +362,9 @@ def test_the_prefill_request_passes_sglangs_request_model():
 
 def _info_worker(cfg: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / f"fw-{len(list(tmp_path.glob('fw-*.log')))}.log"
-    p = subprocess.Popen([*PY[:-2], "--log-level", "INFO", "features-worker", "-c", str(cfg), *extra], cwd=ROOT,
-                         env=dict(os.environ), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # the child keeps its own copy of the file: ours is closed at once
+        p = subprocess.Popen([*PY[:-2], "--log-level", "INFO", "features-worker", "-c", str(cfg), *extra], cwd=ROOT,
+                             env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
     return p, log
 
 
