@@ -19,10 +19,14 @@ $(BIN)/budgetq: pyproject.toml tests/SGLANG_VERSION
 demo: $(BIN)/budgetq
 	$(BIN)/budgetq --log-level WARNING demo
 
+# Parallel test processes (pytest-xdist): each has its own redis-server and free ports (tests/conftest.py).
+# Most of a test's time is spent waiting on child processes, so more processes than cores pays.
+TEST_WORKERS ?= 4
+
 test: $(BIN)/budgetq
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 lint: $(BIN)/budgetq
 	$(BIN)/ruff check .

@@ -123,7 +123,9 @@ def aconnect(url: str, max_connections: int = 32) -> aredis.Redis:
     pool = aredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=30, health_check_interval=15,
         retry=_AsyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON), **_timeouts(url))
-    return aredis.Redis(connection_pool=pool)
+    # from_pool: the client owns its pool, so aclose() closes the pool's connections too (a client
+    # built with connection_pool= leaves them open: unclosed transports when the loop ends).
+    return aredis.Redis.from_pool(pool)
 
 
 # XRANGE / XREVRANGE replies of a client without decode_responses (every client of ours): redis-py

@@ -220,7 +220,8 @@ def test_sigkill_between_write_and_commit_leaves_no_orphan_or_duplicate(tmp_path
         env = dict(os.environ, BUDGETQ_FEATURES_CRASH_AFTER_SHARD="1")
         p = subprocess.Popen([*PY, "features", "-c", str(cfg)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-        assert p.wait(120) == -signal.SIGKILL, p.stdout.read() if p.stdout else ""
+        output = p.communicate(timeout=120)[0]  # (communicate closes the pipe: no unclosed file)
+        assert p.returncode == -signal.SIGKILL, output
         d = features_dir(out, "A")
         assert list(d.glob("*.safetensors")) and index_rows(d / "index.jsonl") == []
         assert conn.xlen(keys.features_results_key("A")) > 0, "the stream still holds what the shard holds"
@@ -364,8 +365,9 @@ def test_the_prefill_request_passes_sglangs_request_model():
 
 def _info_worker(cfg: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / f"fw-{len(list(tmp_path.glob('fw-*.log')))}.log"
-    p = subprocess.Popen([*PY[:-2], "--log-level", "INFO", "features-worker", "-c", str(cfg), *extra], cwd=ROOT,
-                         env=dict(os.environ), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # the child keeps its own copy of the file: ours is closed at once
+        p = subprocess.Popen([*PY[:-2], "--log-level", "INFO", "features-worker", "-c", str(cfg), *extra], cwd=ROOT,
+                             env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
     return p, log
 
 

@@ -210,7 +210,7 @@ def test_status_watch_json_keeps_retrying_when_redis_is_away(tmp_path):
         assert p.poll() is None
     finally:
         p.terminate()
-        p.wait(30)
+        p.communicate(timeout=30)  # reads what is left and closes the pipes
 
 
 def test_monitor_waits_for_redis_at_start(tmp_path):
@@ -234,6 +234,6 @@ def test_monitor_waits_for_redis_at_start(tmp_path):
             wait_for(up, 60, "the monitor to serve")
         finally:
             p.terminate()
-            p.wait(30)
+            p.communicate(timeout=30)  # reads what is left and closes the pipe
     finally:
         server.stop()

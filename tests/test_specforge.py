@@ -108,7 +108,8 @@ def test_rows_pass_specforge_validator_and_preprocessing_with_the_answer_masked_
         "thinking": "separate", "sampling": {"max_tokens": 4000}}], server={"api": "generate", "tokenizer": tok_path})
     _run(cfg)
     out = tmp_path / "out"
-    invalid = {json.loads(line)["line"]: json.loads(line)["reason"] for line in (out / "D.invalid.jsonl").open()}
+    bad = [json.loads(line) for line in (out / "D.invalid.jsonl").read_text().splitlines()]
+    invalid = {r["line"]: r["reason"] for r in bad}
     assert set(invalid) == {5, 6}, invalid   # recorded invalid with the reason, never sent
     assert "empty assistant turn" in invalid[5] and "system turn after a user turn" in invalid[6]
 

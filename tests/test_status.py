@@ -195,11 +195,13 @@ def _tls_redis(tmp_path: Path):
     for step in steps:
         subprocess.run([str(a) for a in step], check=True, capture_output=True)
     port = free_port()
-    proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                             "--tls-cert-file", str(d / "srv.crt"), "--tls-key-file", str(d / "srv.key"),
-                             "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no",
-                             "--requirepass", "tls-test-pw-91", "--save", "", "--dir", str(d)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = d / "redis.log"
+    with log.open("wb") as out:  # a file, not a pipe: nothing left open for the garbage collector
+        proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                                 "--tls-cert-file", str(d / "srv.crt"), "--tls-key-file", str(d / "srv.key"),
+                                 "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no",
+                                 "--requirepass", "tls-test-pw-91", "--save", "", "--dir", str(d)],
+                                stdout=out, stderr=subprocess.STDOUT)
     url = f"rediss://:tls-test-pw-91@127.0.0.1:{port}/0?ssl_ca_certs={d / 'ca.crt'}"
     client = redis.Redis.from_url(url)
     for _ in range(200):
@@ -208,7 +210,7 @@ def _tls_redis(tmp_path: Path):
             return proc, url, client
         except redis.ConnectionError:
             if proc.poll() is not None:
-                pytest.skip(f"redis-server without TLS support: {proc.stdout.read().decode()[-300:]}")
+                pytest.skip(f"redis-server without TLS support: {log.read_text()[-300:]}")
             time.sleep(0.02)
     proc.kill()
     raise AssertionError("TLS redis-server did not start")
@@ -225,5 +227,6 @@ def test_status_over_tls_with_a_password(tmp_path):
         assert [d["dataset"] for d in snap["datasets"]] == ["T1"]
         assert "tls-test-pw-91" not in out.stdout + out.stderr
     finally:
+        client.close()
         proc.terminate()
         proc.wait(10)
