@@ -137,6 +137,7 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig) -> None:
     }
     pipe.hset(keys.conf_key(ds.name), mapping=conf)
     pipe.hsetnx(keys.conf_key(ds.name), Conf.PAUSED, "0")
+    pipe.hdel(keys.conf_key(ds.name), Conf.SOURCE_ENDED)  # this producer reads the rows again
     pipe.execute()
 
 
@@ -156,6 +157,7 @@ class DatasetState:
     keep: str = "all"
     prior_mean: int = 0
     registered_at: float | None = None
+    source_ended: bool = False  # the producer has read every row
 
     @property
     def exhausted(self) -> bool:
@@ -184,6 +186,7 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
         abort_epoch=int(conf.get(Conf.ABORT_EPOCH, 0)), count=conf.get(Conf.COUNT, "completion"),
         keep=conf.get(Conf.KEEP, "all"), prior_mean=int(float(conf.get(Conf.PRIOR_MEAN, 0))),
         registered_at=float(conf[Conf.REGISTERED_AT]) if conf.get(Conf.REGISTERED_AT) else None,
+        source_ended=conf.get(Conf.SOURCE_ENDED) == "1",
     )
 
 
