@@ -36,7 +36,8 @@ def print_summary(rows: list[dict]) -> None:
 
     from budgetq.status_view import summary_table
 
-    Console(width=max(120, Console().width)).print(summary_table(rows))
+    # Not a terminal (CI logs, | tee): the whole table, never cut to 80 columns.
+    Console(width=max(120, Console().width) if sys.stdout.isatty() else 400).print(summary_table(rows))
 
 
 def _empty_files(cfg: Config) -> set[str]:
