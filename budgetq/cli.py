@@ -37,22 +37,13 @@ BROKEN_PIPE_STATUS = 141
 
 def print_summary(rows: list[dict]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="budgetq summary")
-    for col in ("dataset", "budget", "used", "used/budget", "rows", "skipped", "aborted", "failed", "invalid",
-                "duplicate", "filtered", "wasted", "stop"):
-        table.add_column(col)
-    for r in rows:
-        ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
-        table.add_row(r["dataset"], format_tokens(r["budget"]), str(r["used"]), ratio, str(r["rows"]),
-                      str(r["skipped"]), str(r["aborted"]), str(r["failed"]), str(r["invalid"]),
-                      str(r.get("duplicate", 0)), str(r["filtered"]),
-                      str(r["wasted_tokens"]), r["stop"])
+    from budgetq.status_view import summary_table
+
     # On a terminal at least 120 columns (the table scrolls rather than cutting names); off one
     # (CI logs, `| tee`) as wide as the table is.
     console = stdout_console()
-    (Console(width=max(120, console.width)) if console.is_terminal else console).print(table)
+    (Console(width=max(120, console.width)) if console.is_terminal else console).print(summary_table(rows))
 
 
 def _empty_files(cfg: Config) -> set[str]:
@@ -199,9 +190,9 @@ def cmd_budget_set(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise BudgetqError(f"budget for {args.dataset}: {exc}") from None
     _cfg, conn = _conn(args)
-    old, aborted = control.set_budget(conn, args.dataset, tokens, args.abort_in_flight)
-    print(f"{args.dataset}: budget {format_tokens(old)} -> {format_tokens(tokens)}"
-          + (f"; aborted {aborted} requests in flight" if args.abort_in_flight else ""))
+    change = control.set_budget(conn, args.dataset, tokens, args.abort_in_flight)
+    print(f"{args.dataset}: budget {format_tokens(int(change.old))} -> {format_tokens(tokens)}" + change.describe()
+          + ("; aborted 0 requests in flight" if args.abort_in_flight and not change.aborted else ""))
     return 0
 
 
@@ -210,9 +201,8 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
     _cfg, conn = _conn(args)
     paused = args.cmd == "pause"
-    aborted = control.set_paused(conn, args.dataset, paused, getattr(args, "abort_in_flight", False))
-    print(f"{args.dataset}: {'paused' if paused else 'resumed'}"
-          + (f"; aborted {aborted} requests in flight" if aborted else ""))
+    change = control.set_paused(conn, args.dataset, paused, getattr(args, "abort_in_flight", False))
+    print(f"{args.dataset}: {'paused' if paused else 'resumed'}" + change.describe())
     return 0
 
 

@@ -12,7 +12,7 @@ from rich.text import Text
 from shared.status import format_duration
 from shared.tokens import format_tokens
 
-BAR_WIDTH = 20
+BAR_WIDTH = 12
 _STATE_STYLE = {"paused": "yellow", "done": "green", "draining": "magenta", "running": "cyan", "idle": "dim"}
 
 
@@ -33,19 +33,54 @@ def _clock(ts: float | None) -> str:
 def datasets_table(snap: dict[str, Any]) -> Table:
     t = Table(title="datasets", title_justify="left", expand=False)
     for col, just in (("dataset", "left"), ("state", "left"), ("used / budget", "left"), ("used", "right"),
-                      ("budget", "right"), ("in flight", "right"), ("reserved", "right"), ("queued", "right"),
-                      ("committed", "right"), ("skipped", "right"), ("failed", "right"), ("invalid", "right"),
-                      ("tok/s", "right"), ("ETA", "right")):
+                      ("budget", "right"), ("in flight", "right"), ("queued", "right"), ("running", "right"),
+                      ("rows", "right"), ("skipped", "right"), ("failed", "right"),
+                      ("invalid", "right"), ("ledger", "left"), ("tok/s", "right"), ("ETA", "right")):
         t.add_column(col, justify=just, no_wrap=True)
     for d in snap["datasets"]:
-        c = d["counts"]
+        led = d["ledger"]
         t.add_row(d["dataset"], Text(d["state"], style=_STATE_STYLE.get(d["state"], "")), text_bar(d["used_pct"]),
-                  f"{d['used']:,}", format_tokens(d["budget"]), f"{d['in_flight']:,}", f"{d['reserved']:,}",
-                  f"{d['queued']:,}", f"{c['committed']:,}", f"{c['skipped']:,}", f"{c['failed']:,}",
-                  f"{c['invalid']:,}", f"{d['tok_s']:,.0f}", format_duration(d["eta_s"]))
+                  f"{d['used']:,}", format_tokens(d["budget"]), f"{d['in_flight']:,}", f"{led['queued']:,}",
+                  f"{led['running']:,}", f"{led['rows'] + led['truncated']:,}",
+                  f"{led['skipped']:,}", f"{led['failed']:,}", f"{led['invalid']:,}", ledger_cell(led),
+                  "-" if d["tok_s"] is None else f"{d['tok_s']:,.0f}", format_duration(d["eta_s"]))
     if not snap["datasets"]:
-        t.add_row("(no dataset registered)", *[""] * 13)
+        t.add_row("(no dataset registered)", *[""] * 14)
     return t
+
+
+def ledger_cell(led: dict[str, Any]) -> Text:
+    """``ok 1,234`` when every prompt that entered is in one state; what is missing (or counted
+    twice) otherwise."""
+    if led["unaccounted"] is None:
+        return Text("-", style="dim")  # the dataset's Redis state predates the ledger
+    if led["balanced"]:
+        return Text(f"ok {led['entered']:,}", style="green")
+    n = led["unaccounted"]
+    what = f"{n:,} unaccounted" if n > 0 else f"{-n:,} counted twice"
+    return Text(f"{what} of {led['entered']:,}", style="red")
+
+
+def summary_table(rows: list[dict[str, Any]]) -> Table:
+    """The final summary of ``budgetq produce``: each dataset's ledger (the states every prompt is
+    in, as ``status`` shows them) and what this run did. Optional columns appear when not zero."""
+    table = Table(title="budgetq summary")
+    optional = [c for c in ("truncated", "running") if any(r[c] for r in rows)]
+    unbalanced = any(r["unaccounted"] for r in rows)  # 0 or None (state older than the ledger): hidden
+    cols = ["dataset", "budget", "used", "used/budget", "rows", *optional, "skipped", "failed", "queued",
+            "aborted", "invalid", "duplicate ids", "filtered", *(["unaccounted"] if unbalanced else []),
+            "wasted", "stop"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("dataset", "stop") else "right")
+    for r in rows:
+        ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
+        cells = [r["dataset"], format_tokens(r["budget"]), str(r["used"]), ratio, str(r["rows"]),
+                 *(str(r[c]) for c in optional), str(r["skipped"]), str(r["failed"]), str(r["queued"]),
+                 str(r["aborted"]), str(r["invalid"]), str(r["duplicate_ids"]), str(r["filtered"]),
+                 *([str(r["unaccounted"] if r["unaccounted"] is not None else "-")] if unbalanced else []),
+                 str(r["wasted_tokens"]), r["stop"]]
+        table.add_row(*cells)
+    return table
 
 
 def workers_table(snap: dict[str, Any]) -> Table:

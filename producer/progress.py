@@ -16,6 +16,7 @@ import redis
 
 from shared import server_faults
 from shared.config import Config
+from shared.ledger import STATES
 from shared.status import dataset_snapshots, format_duration, server_now
 from shared.tokens import format_tokens
 
@@ -103,14 +104,16 @@ class ProgressReporter:
             self._progress = None
 
     def _log_line(self, d: dict[str, Any]) -> None:
-        c = d["counts"]
+        led = d["ledger"]
         pct = d["used_pct"] if d["used_pct"] is not None else 0.0
-        log.info("progress %s %.2f%% (%s / %s tokens, %.0f tok/s, ETA %s)", d["dataset"], pct,
-                 format_tokens(d["used"]), format_tokens(d["budget"]), d["tok_s"], format_duration(d["eta_s"]),
+        rate = "done" if d["tok_s"] is None else f"{d['tok_s']:.0f} tok/s, ETA {format_duration(d['eta_s'])}"
+        log.info("progress %s %.2f%% (%s / %s tokens, %s)", d["dataset"], pct,
+                 format_tokens(d["used"]), format_tokens(d["budget"]), rate,
                  extra={"dataset": d["dataset"], "state": d["state"], "used": d["used"], "budget": d["budget"],
                         "tok_s": d["tok_s"], "eta_s": d["eta_s"], "in_flight": d["in_flight"],
-                        "queued": d["queued"], "committed": c["committed"], "skipped": c["skipped"],
-                        "failed": c["failed"], "invalid": c["invalid"]})
+                        **{state: led[state] for state in STATES}, "committed": led["rows"],
+                        "invalid": led["invalid"],
+                        "unaccounted": led["unaccounted"]})
 
     def _start_bars(self) -> None:
         from rich.console import Console
@@ -141,7 +144,8 @@ class ProgressReporter:
             self._start_bars()
         for d in snaps:
             fields = {"pct": d["used_pct"] or 0.0, "used": format_tokens(d["used"]),
-                      "budget": format_tokens(d["budget"]), "tok_s": format_tokens(round(d["tok_s"])),
+                      "budget": format_tokens(d["budget"]),
+                      "tok_s": "-" if d["tok_s"] is None else format_tokens(round(d["tok_s"])),
                       "eta": format_duration(d["eta_s"]), "in_flight": d["in_flight"]}
             total = max(1, d["budget"])
             if d["dataset"] not in self._tasks:

@@ -26,7 +26,6 @@ from pathlib import Path
 import redis
 from rq import Queue
 from rq.queue import EnqueueData
-from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from producer.budget_loop import BudgetLoop
@@ -43,17 +42,20 @@ from shared.budget import dataset_state, register_dataset
 from shared.config import Config, DatasetConfig
 from shared.errors import BudgetqError
 from shared.identity import SCHEME_MIGRATED, job_id, legacy_job_id
+from shared.ledger import read_ledgers
 from shared.logs import safe
 from shared.maintenance import Maintenance
 from shared.redis_conn import connect
 from shared.retry import REDIS_DOWN
 from shared.sampling import resolve_datasets
 from shared.schema import JobPayload
+from shared.stats import Conf, Stat
 
 log = logging.getLogger("budgetq.producer")
 JOB_FUNC = "worker.job.run_prompt"  # by name: producer never imports worker
 # RQ job statuses that mean "this prompt is already in the system": never enqueue it again.
-_LIVE = {b"queued", b"started", b"scheduled", b"deferred", b"failed"}
+# Canceled (skipped by the budget) is one: reopen.lua requeues those once the budget admits them.
+_LIVE = {b"queued", b"started", b"scheduled", b"deferred", b"failed", b"canceled"}
 
 
 @dataclass
@@ -65,8 +67,9 @@ class Feed:
     pending: list[Prompt] = field(default_factory=list)  # read, not yet enqueued (kept over a Redis outage)
     enqueued: int = 0
     invalid: int = 0
-    duplicate: int = 0
+    duplicate: int = 0       # invalid rows whose id repeats an earlier row's (the summary's duplicate_ids)
     filtered: int = 0
+    filtered_recorded: int = 0  # the filtered count in Redis: the most any run of this dataset filtered
     already_done: int = 0
     already_live: int = 0
     ended: bool = False      # every row read
@@ -117,7 +120,8 @@ class Producer:
                 log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "
                          "recognised too, so nothing already done, queued or failed runs again", ds.name)
             settle_id_field(self.conn, ds, cfg.output_dir)  # the ids this dataset's state was made with
-            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy))
+            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy,
+                                   filtered_recorded=int(self.conn.hget(keys.stats_key(ds.name), Stat.FILTERED) or 0)))
         try:
             self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
             warnings = [w for f in self.feeds for w in check_and_write_meta(cfg, f.ds, cfg.output_dir)]
@@ -155,13 +159,13 @@ class Producer:
         self.conn.hincrby(keys.stats_key(f.ds.name), "invalid", 1)
 
     def _reopen(self, f: Feed) -> None:
-        """The budget was raised after it was reached: skipped jobs run after all, reading resumes."""
-        registry = jobs.registry(CanceledJobRegistry, f.ds.name, self.conn)
-        ids = registry.get_job_ids(cleanup=False)
-        for jid in ids:
-            registry.requeue(jid)
+        """The budget admits requests: jobs skipped while it was exhausted (raised since, by an
+        operator or a new config) run after all, each moved back atomically; reading resumes."""
+        moved, _vanished = jobs.reopen_all(self.conn, f.ds.name, jobs.Ending.CANCELED, Stat.REOPENED)
+        if f.halted or moved:
+            log.info("dataset %s: budget admits requests again: requeued %d skipped jobs, reading resumes",
+                     f.ds.name, moved)
         f.halted = False
-        log.info("dataset %s: budget raised: requeued %d skipped jobs, reading resumes", f.ds.name, len(ids))
 
     def _fill(self, f: Feed) -> None:
         state = dataset_state(self.conn, f.ds.name)
@@ -171,8 +175,7 @@ class Producer:
                 log.info("dataset %s: budget reached (%d / %d); no more enqueueing", f.ds.name, state.used,
                          state.limit)
             return
-        if f.halted:
-            self._reopen(f)
+        self._reopen(f)
         if f.ended:
             return
         room = self.cfg.high_water - f.queue.count
@@ -191,6 +194,11 @@ class Producer:
                 f.filtered += 1
             else:
                 f.pending.append(item)
+        if f.ended:
+            self.conn.hset(keys.conf_key(f.ds.name), Conf.SOURCE_ENDED, "1")  # status: done, no ETA
+        if f.filtered > f.filtered_recorded:  # a restart reads the rows again: count only beyond the last run
+            self.conn.hincrby(keys.stats_key(f.ds.name), Stat.FILTERED, f.filtered - f.filtered_recorded)
+            f.filtered_recorded = f.filtered
         if f.pending:
             # Kept in f.pending until enqueued: a Redis outage here loses no row.
             self._enqueue(f, f.pending)
@@ -261,10 +269,9 @@ class Producer:
                     self._record_invalid(f, Invalid(line, f"cannot enqueue: {type(exc).__name__}: {exc}"))
 
     def _push(self, f: Feed, items: list[tuple[str, EnqueueData]]) -> None:
-        canceled = jobs.registry(CanceledJobRegistry, f.ds.name, self.conn).key
-        with self.conn.pipeline() as pipe:
-            pipe.zrem(canceled, *[jid for jid, _ in items])  # skipped before, enqueued again now
+        with self.conn.pipeline() as pipe:  # one transaction: the ledger's entry count moves with the queue
             f.queue.enqueue_many([d for _, d in items], pipeline=pipe)
+            pipe.hincrby(keys.stats_key(f.ds.name), Stat.ENQUEUED, len(items))
             pipe.execute()
         f.enqueued += len(items)
 
@@ -371,15 +378,20 @@ class Producer:
                             "`budgetq export --format specforge`, which leaves them out", f.ds.name, n)
 
     def summary(self) -> list[dict]:
+        """One row per dataset: its ledger (shared/ledger.py, what `budgetq status` shows), and what
+        this run did (enqueued, already done, duplicate ids among the invalid rows)."""
+        ledgers = read_ledgers(self.conn, [f.ds.name for f in self.feeds])
         rows = []
         for f in self.feeds:
             st = dataset_state(self.conn, f.ds.name)
-            failed = jobs.registry(FailedJobRegistry, f.ds.name, self.conn).get_job_count(cleanup=False)
+            ledger = ledgers[f.ds.name]
             rows.append({
-                "dataset": f.ds.name, "budget": st.limit, "used": st.used, "rows": self.collector.rows(f.ds.name),
-                "truncated": st.stats.get("truncated", 0), "enqueued": f.enqueued,
-                "skipped": st.stats.get("skipped", 0), "aborted": st.stats.get("aborted", 0), "failed": failed,
-                "invalid": f.invalid, "duplicate": f.duplicate, "filtered": f.filtered, "already_done": f.already_done,
-                "wasted_tokens": st.stats.get("wasted_tokens", 0), "stop": f.stop_reason,
+                "dataset": f.ds.name, "budget": st.limit, "used": st.used,
+                **{state: ledger[state] for state in ("queued", "running", "rows", "truncated", "skipped", "failed",
+                                                      "aborted", "invalid", "filtered")},
+                "rows_on_disk": self.collector.rows(f.ds.name), "entered": ledger["entered"],
+                "unaccounted": ledger["unaccounted"], "enqueued": f.enqueued, "already_done": f.already_done,
+                "duplicate_ids": f.duplicate, "wasted_tokens": st.stats.get(Stat.WASTED_TOKENS, 0),
+                "stop": f.stop_reason,
             })
         return rows

@@ -145,6 +145,7 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = 
         conf[Conf.LIMIT] = ds.budget
     pipe.hset(keys.conf_key(ds.name), mapping=conf)
     pipe.hsetnx(keys.conf_key(ds.name), Conf.PAUSED, "0")
+    pipe.hdel(keys.conf_key(ds.name), Conf.SOURCE_ENDED)  # this producer reads the rows again
     pipe.execute()
 
 
@@ -165,6 +166,7 @@ class DatasetState:
     prior_mean: int = 0
     registered_at: float | None = None
     hold: str = ""   # the producer's hold (output disk full); paused is also true while it is set
+    source_ended: bool = False  # the producer has read every row
 
     @property
     def exhausted(self) -> bool:
@@ -195,6 +197,7 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
         keep=conf.get(Conf.KEEP, "all"), prior_mean=int(float(conf.get(Conf.PRIOR_MEAN, 0))),
         registered_at=float(conf[Conf.REGISTERED_AT]) if conf.get(Conf.REGISTERED_AT) else None,
         hold=conf.get(Conf.HOLD, ""),
+        source_ended=conf.get(Conf.SOURCE_ENDED) == "1",
     )
 
 

@@ -3,6 +3,11 @@
 Every action takes effect on the next admission (reserve.lua reads the dataset's conf
 each time), from any machine that reaches Redis, and is appended to the control log
 (keys.CONTROL_LOG: who, when, what, old and new value) that `budgetq status` shows.
+
+Nothing an action stops is lost (shared/ledger.py): requests aborted in flight go back to
+the queue (requeue.lua, from the worker that held them); jobs skipped while the budget was
+exhausted go back to the queue as soon as a raise or a resume makes it admit them again
+(reopen.lua, here and in the producer); retry-failed moves failed jobs back the same way.
 """
 
 from __future__ import annotations
@@ -10,14 +15,16 @@ from __future__ import annotations
 import getpass
 import socket
 import time
+from dataclasses import dataclass
 
 import redis
-from rq.registry import FailedJobRegistry
 
 from shared import budget, jobs, keys
+from shared.budget import dataset_state
 from shared.errors import BudgetqError
 from shared.redis_conn import dataset_names
 from shared.scripts import run
+from shared.stats import Conf, Stat
 
 
 def who() -> str:
@@ -46,22 +53,54 @@ def _withdraw(conn: redis.Redis, dataset: str) -> int:
     return n
 
 
-def set_budget(conn: redis.Redis, dataset: str, tokens: int, abort_in_flight: bool = False) -> tuple[int, int]:
-    """Set a dataset's budget; returns (old budget, requests aborted)."""
+@dataclass(frozen=True)
+class Change:
+    """What a budget, pause or resume action did: ``aborted`` requests in flight (each goes back
+    to the queue), ``requeued`` skipped jobs put back on the queue because the budget admits
+    them again."""
+
+    old: int | bool
+    aborted: int = 0
+    requeued: int = 0
+
+    def describe(self) -> str:
+        parts = []
+        if self.aborted:
+            parts.append(f"aborted {self.aborted} requests in flight (requeued: they run again once admitted)")
+        if self.requeued:
+            parts.append(f"requeued {self.requeued} skipped jobs")
+        return "".join(f"; {p}" for p in parts)
+
+
+def reopen_skipped(conn: redis.Redis, dataset: str) -> int:
+    """If the budget admits new requests (not exhausted, not paused), put the jobs it skipped back
+    on the queue; returns how many. Called after a raise or a resume, and by the producer."""
+    st = dataset_state(conn, dataset)
+    if st.exhausted or st.paused:
+        return 0
+    moved, _vanished = jobs.reopen_all(conn, dataset, jobs.Ending.CANCELED, Stat.REOPENED)
+    return moved
+
+
+def set_budget(conn: redis.Redis, dataset: str, tokens: int, abort_in_flight: bool = False) -> Change:
+    """Set a dataset's budget; aborted requests and skipped jobs the new budget admits are requeued."""
     _require(conn, dataset)
-    old = int(conn.hget(keys.conf_key(dataset), "limit") or 0)
-    conn.hset(keys.conf_key(dataset), "limit", tokens)
+    old = int(conn.hget(keys.conf_key(dataset), Conf.LIMIT) or 0)
+    conn.hset(keys.conf_key(dataset), Conf.LIMIT, tokens)
     log_action(conn, "budget_set", dataset, old, tokens)
-    return old, _withdraw(conn, dataset) if abort_in_flight else 0
+    aborted = _withdraw(conn, dataset) if abort_in_flight else 0
+    return Change(old, aborted, reopen_skipped(conn, dataset))
 
 
-def set_paused(conn: redis.Redis, dataset: str, paused: bool, abort_in_flight: bool = False) -> int:
-    """Pause or resume; returns requests aborted."""
+def set_paused(conn: redis.Redis, dataset: str, paused: bool, abort_in_flight: bool = False) -> Change:
+    """Pause or resume; a pause with ``abort_in_flight`` requeues the requests it aborts (held in
+    the paused queue), a resume requeues skipped jobs the budget admits."""
     _require(conn, dataset)
-    old = conn.hget(keys.conf_key(dataset), "paused") == b"1"
-    conn.hset(keys.conf_key(dataset), "paused", "1" if paused else "0")
+    old = conn.hget(keys.conf_key(dataset), Conf.PAUSED) == b"1"
+    conn.hset(keys.conf_key(dataset), Conf.PAUSED, "1" if paused else "0")
     log_action(conn, "pause" if paused else "resume", dataset, old, paused)
-    return _withdraw(conn, dataset) if abort_in_flight else 0
+    aborted = _withdraw(conn, dataset) if abort_in_flight else 0
+    return Change(old, aborted, 0 if paused else reopen_skipped(conn, dataset))
 
 
 def retry_failed(conn: redis.Redis, datasets: list[str]) -> dict[str, int]:
@@ -69,12 +108,8 @@ def retry_failed(conn: redis.Redis, datasets: list[str]) -> dict[str, int]:
     out = {}
     for ds in datasets:
         _require(conn, ds)
-        registry = jobs.registry(FailedJobRegistry, ds, conn)
-        ids = registry.get_job_ids(cleanup=False)
-        for job_id in ids:
-            registry.requeue(job_id)
-        if ids:
-            conn.hincrby(keys.stats_key(ds), "retried_failed", len(ids))
-            log_action(conn, "retry_failed", ds, new=len(ids))
-        out[ds] = len(ids)
+        moved, _vanished = jobs.reopen_all(conn, ds, jobs.Ending.FAILED, Stat.RETRIED_FAILED)
+        if moved:
+            log_action(conn, "retry_failed", ds, new=moved)
+        out[ds] = moved
     return out

@@ -31,8 +31,8 @@ from rq.utils import now as rq_now
 from rq.utils import utcformat
 
 from shared import keys
-from shared.scripts import ScriptCall
-from shared.stats import ENDING_STATS, REQUEUE_STATS, Stat
+from shared.scripts import ScriptCall, run
+from shared.stats import ENDING_STATS, REOPEN_STATS, REQUEUE_STATS, Stat
 
 # The one definition of how long RQ keeps ended jobs; the producer enqueues with them too
 # (Queue.prepare_data's result_ttl / failure_ttl), finish.lua gets them in ARGV.
@@ -51,20 +51,30 @@ def registry(kind: type[RegistryT], ds: str, conn: redis.Redis) -> RegistryT:
 
 
 class Ending(enum.StrEnum):
-    """How a job ends, as RQ's job status (and the registry it goes to: rq:<status>:<queue>)."""
+    """How a job ends, as RQ's job status (and the registry it goes to: rq:<status>:<queue>).
+
+    QUEUED is the end of one attempt, not of the job: aborted in flight, it goes back to the
+    front of its queue (requeue.lua) and runs again once admitted, so nothing aborted is lost.
+    """
 
     FINISHED = JobStatus.FINISHED.value
     FAILED = JobStatus.FAILED.value
     CANCELED = JobStatus.CANCELED.value
+    QUEUED = JobStatus.QUEUED.value
 
 
 class Skip(enum.StrEnum):
-    """Why a job was canceled (RQ status canceled): its meta ``skipped`` field."""
+    """Why a job was not run to a row: EXHAUSTED is skipped (RQ status canceled, its meta
+    ``skipped`` field); the others are aborts, requeued (``JobEnd.skip``)."""
 
     EXHAUSTED = "budget exhausted"
     WITHDRAWN = "admission withdrawn before the result arrived"
     ABORTED_BUDGET = "aborted in flight: budget"
     ABORTED_WITHDRAWN = "aborted in flight: withdrawn"
+
+    @property
+    def aborted(self) -> bool:
+        return self is not Skip.EXHAUSTED
 
 
 class ResultStatus(enum.StrEnum):
@@ -73,7 +83,7 @@ class ResultStatus(enum.StrEnum):
     COMMITTED = "committed"
     CROSSED = "crossed"
     TRUNCATED = "truncated"
-    DUPLICATE = "duplicate"
+    DUPLICATE = "duplicate_result"
     ALREADY_DONE = "already_done"
 
 
@@ -90,6 +100,8 @@ class JobEnd:
     @property
     def outcome(self) -> str:
         """The word the worker's exit log counts it under."""
+        if self.ending is Ending.QUEUED:
+            return Stat.ABORTED.value
         return str((self.result or {}).get("status", self.ending))
 
     @classmethod
@@ -105,8 +117,13 @@ class JobEnd:
 
     @classmethod
     def skip(cls, reason: Skip) -> JobEnd:
-        aborted = reason in (Skip.ABORTED_BUDGET, Skip.ABORTED_WITHDRAWN)
-        return cls(Ending.CANCELED, skipped=reason, stat=Stat.ABORTED if aborted else Stat.SKIPPED)
+        """EXHAUSTED: skipped (canceled registry, requeued by ``reopen`` once the budget admits it
+        again). An abort (cancelled at the server, or its result refused because its admission
+        was withdrawn: budget crossed or lowered, pause --abort-in-flight): back on the queue,
+        counted aborted, so every withdrawn admission is one abort and no prompt is lost."""
+        if reason.aborted:
+            return cls(Ending.QUEUED, skipped=reason, stat=Stat.ABORTED)
+        return cls(Ending.CANCELED, skipped=reason, stat=Stat.SKIPPED)
 
 
 @dataclass(frozen=True)
@@ -195,7 +212,7 @@ def requeue(ds: str, member: str, job_id: str, reason: Stat = Stat.REQUEUED,
     return ScriptCall(
         "requeue",
         [keys.rq_wip_key(ds), keys.rq_queue_key(ds), keys.rq_job_key(job_id), keys.resv_key(ds),
-         keys.reserved_key(ds), keys.stats_key(ds)],
+         keys.reserved_key(ds), keys.stats_key(ds), keys.done_key(ds)],
         [member, job_id, reason.value, "" if only_if_expired_before is None else f"{only_if_expired_before:.3f}",
          JobStatus.QUEUED.value],
         lambda r: bool(int(r)))
@@ -214,8 +231,36 @@ def result_ttl(c: Claimed, ending: Ending) -> int:
     return c.result_ttl if c.result_ttl is not None and c.result_ttl >= 0 else RESULT_TTL_S
 
 
+REOPEN_BATCH = 1000  # jobs reopen.lua moves per call: one call blocks Redis for about a millisecond
+
+
+def reopen(ds: str, registry_key: str, reason: Stat, batch: int = REOPEN_BATCH) -> ScriptCall[tuple[int, int, int]]:
+    """Move up to ``batch`` jobs of a dataset's canceled or failed registry back to its queue;
+    (moved, vanished, left in the registry). ``reopen_all`` loops it."""
+    if reason not in REOPEN_STATS:
+        raise ValueError(f"not a reopen counter: {reason!r}")
+    return ScriptCall("reopen", [registry_key, keys.rq_queue_key(ds), keys.stats_key(ds)],
+                      [keys.RQ_JOB_PREFIX, JobStatus.QUEUED.value, reason.value, batch,
+                       utcformat(datetime.now(UTC))],
+                      lambda r: (int(r[0]), int(r[1]), int(r[2])))
+
+
+def reopen_all(conn: redis.Redis, ds: str, ending: Ending, reason: Stat) -> tuple[int, int]:
+    """Every job of the dataset's ``ending`` registry (CANCELED or FAILED) back on its queue, a
+    batch at a time (each job moves atomically); returns (moved, vanished)."""
+    moved = vanished = 0
+    while True:
+        m, v, left = run(conn, reopen(ds, keys.rq_registry_key(ds, ending), reason))
+        moved, vanished = moved + m, vanished + v
+        if not left or not (m or v):
+            return moved, vanished
+
+
 def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str) -> ScriptCall[bool]:
-    """Record a job's end in RQ's layout and count it; False if we no longer hold it."""
+    """Record a job's end in RQ's layout and count it; False if we no longer hold it. An abort
+    (``Ending.QUEUED``) is requeue.lua's: the job goes back to the front of its queue."""
+    if end.ending is Ending.QUEUED:
+        return requeue(ds, c.member, c.job_id, Stat.ABORTED)
     if end.stat is not None and end.stat not in ENDING_STATS:
         raise ValueError(f"not an ending counter: {end.stat!r}")
     now = datetime.now(UTC)

@@ -43,7 +43,7 @@ class _Script:
 
 
 SCRIPTS: dict[str, _Script] = {n: _Script(n) for n in (
-    "reserve", "commit", "release", "adjust", "withdraw", "adopt", "claim", "requeue", "finish")}
+    "reserve", "commit", "release", "adjust", "withdraw", "adopt", "claim", "requeue", "finish", "reopen")}
 
 
 @dataclass(frozen=True)

@@ -29,23 +29,29 @@ class Conf(enum.StrEnum):
     REGISTERED_AT = "registered_at"  # unix seconds of the last register_dataset
     ID_SCHEME = "id_scheme"          # job-id scheme of the dataset (shared/identity.py)
     ID_FIELD = "id_field"            # where its prompt ids come from, JSON (producer/id_rule.py)
+    SOURCE_ENDED = "source_ended"    # "1" once the producer has read every row (cleared on registration)
 
 
 class Stat(enum.StrEnum):
     """Fields of ``stats_key(ds)``: counters, only ever incremented (HINCRBY).
 
     Who writes each is noted; "ending" ones are counted by finish.lua as a job ends
-    (shared/jobs.py's ``finish(..., stat=)``), "requeue" ones by requeue.lua.
+    (shared/jobs.py's ``finish(..., stat=)``), "requeue" ones by requeue.lua, "reopen" ones by
+    reopen.lua. Where a prompt is *now* is not a counter: shared/ledger.py derives it.
     """
 
     # -- jobs
     COMMITTED = "committed"            # commit.lua, adopt.lua: results counted toward the budget
     TRUNCATED = "truncated"            # commit.lua, adopt.lua: cut by max_tokens, kept aside (keep: complete)
-    DUPLICATE = "duplicate"            # commit.lua: the prompt was already committed
+    ENQUEUED = "enqueued"              # producer: prompts put on the queue for the first time
+    ADOPTED = "adopted"                # adopt.lua: rows on disk Redis had lost, marked done again
+    FILTERED = "filtered"              # producer: rows its filter left out (never enqueued)
+    DUPLICATE_RESULT = "duplicate_result"  # commit.lua: a result for a prompt already committed, dropped
     REJECTED = "rejected"              # commit.lua: result arrived after its admission was withdrawn
     WITHDRAWN = "withdrawn"            # commit.lua (crossing), withdraw.lua: admissions cancelled
-    SKIPPED = "skipped"                # ending: budget exhausted or admission withdrawn, never sent
-    ABORTED = "aborted"                # ending: cancelled while at the server
+    SKIPPED = "skipped"                # ending: budget exhausted, never sent
+    ABORTED = "aborted"                # requeue: cancelled at the server or its result refused after
+                                       # its admission was withdrawn; back on the queue
     FAILED = "failed"                  # ending: the request failed (or its payload was unreadable)
     ALREADY_DONE = "already_done"      # ending: another copy of the job had committed it
     CAPTURED = "captured"              # ending (features pass, in the <ds>-features stats hash): hidden
@@ -54,8 +60,9 @@ class Stat(enum.StrEnum):
                                        # reserve.lua's mean stays per request
     REQUEUED = "requeued"              # requeue: shutdown or paused dataset
     RECOVERED = "recovered"            # requeue / maintenance: lease ran out (worker died)
+    REOPENED = "reopened"              # reopen: skipped jobs requeued once the budget admits them again
     RETRIED = "retried"                # worker: one retry of a request (worker/sglang_client.py)
-    RETRIED_FAILED = "retried_failed"  # operator: `budgetq retry-failed` (shared/control.py)
+    RETRIED_FAILED = "retried_failed"  # reopen: `budgetq retry-failed` (shared/control.py)
     INVALID = "invalid"                # producer: an input row that cannot become a job
     # -- tokens
     SUM_TOKENS = "sum_tokens"                # commit.lua, adopt.lua: tokens counted (= used, absent adjustments)
@@ -67,6 +74,7 @@ class Stat(enum.StrEnum):
 
 
 # Counted by the Lua scripts from a field name passed in ARGV (finish.lua ARGV[16],
-# requeue.lua ARGV[3]) rather than spelled in the script.
-ENDING_STATS = frozenset({Stat.SKIPPED, Stat.ABORTED, Stat.FAILED, Stat.ALREADY_DONE, Stat.CAPTURED})
-REQUEUE_STATS = frozenset({Stat.REQUEUED, Stat.RECOVERED})
+# requeue.lua ARGV[3], reopen.lua ARGV[3]) rather than spelled in the script.
+ENDING_STATS = frozenset({Stat.SKIPPED, Stat.FAILED, Stat.ALREADY_DONE, Stat.CAPTURED})
+REQUEUE_STATS = frozenset({Stat.REQUEUED, Stat.RECOVERED, Stat.ABORTED})
+REOPEN_STATS = frozenset({Stat.REOPENED, Stat.RETRIED_FAILED})

@@ -18,21 +18,23 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
-from rq.registry import FailedJobRegistry
 
-from shared import jobs, keys, run_plan, server_faults
+from shared import keys, run_plan, server_faults
 from shared.budget import DatasetState, dataset_state
 from shared.config import Config
+from shared.ledger import is_settled, read_ledgers
 from shared.logs import redact_url
 from shared.redis_conn import dataset_names, describe, stream_entries, text
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: counts.duplicate -> duplicate_result; a done dataset's tok_s is null; ledger
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
 HISTORY_S = 600              # the tokens-over-time series covers this many seconds
 CONTROL_ENTRIES = 10         # operator actions shown
-# Job outcome counters of the stats hash, always present in a snapshot (0 when missing).
-COUNT_FIELDS = ("committed", "truncated", "skipped", "failed", "invalid", "duplicate", "aborted",
-                "requeued", "retried", "recovered")
+# Event counters of the stats hash (how often each thing happened, cumulative), always present
+# in a snapshot (0 when missing). Where the prompts are now is the ledger (shared/ledger.py).
+COUNT_FIELDS = ("committed", "truncated", "skipped", "failed", "invalid", "duplicate_result", "aborted",
+                "rejected", "requeued", "retried", "recovered", "reopened", "retried_failed", "enqueued",
+                "adopted", "filtered")
 # Token counters of the stats hash -> their names in a snapshot's "tokens" object.
 TOKEN_FIELDS = {"sum_tokens": "counted", "generated_tokens": "generated", "wasted_tokens": "wasted"}
 
@@ -78,12 +80,14 @@ def _bucket(t: float) -> int:
     return int(t // keys.RATE_BUCKET_S) * keys.RATE_BUCKET_S
 
 
-def _state(st: DatasetState, queued: int) -> str:
+def _state(st: DatasetState, ledger: dict[str, Any]) -> str:
     if st.paused:
         return "paused"
     if st.exhausted:
         return "draining" if st.in_flight else "done"
-    if st.in_flight or queued:
+    if st.source_ended and is_settled(ledger):
+        return "done"  # every row read, and every prompt has ended
+    if st.in_flight or not is_settled(ledger):
         return "running"
     return "idle"
 
@@ -103,25 +107,28 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
     """Budget, progress, counters, tok/s, ETA and recent history of each named dataset."""
     names = list(names)
     states = [dataset_state(conn, n) for n in names]
+    ledgers = read_ledgers(conn, names)
     n_hist = max(history_s, TOK_S_WINDOW_S + keys.RATE_BUCKET_S) // keys.RATE_BUCKET_S
     last = _bucket(now)
     fields = [last - i * keys.RATE_BUCKET_S for i in range(n_hist - 1, -1, -1)]
     pipe = conn.pipeline(transaction=False)
     for n in names:
-        pipe.llen(keys.rq_queue_key(n))
-        # RQ's failed registry by RQ's own key name; ZCARD = get_job_count(cleanup=False).
-        pipe.zcard(jobs.registry(FailedJobRegistry, n, conn).key)
         pipe.hmget(keys.rate_key(n), [str(f) for f in fields])
     replies = pipe.execute()
     out = []
     for i, st in enumerate(states):
-        queued, failed_reg, rate_vals = replies[3 * i: 3 * i + 3]
+        rate_vals = replies[i]
+        ledger = ledgers[st.name]
+        state = _state(st, ledger)
         buckets = {t: _num(v) for t, v in zip(fields, rate_vals, strict=True)}
-        tok_s = _rate(st, buckets, now)
+        tok_s: float | None = _rate(st, buckets, now)
         remaining = max(0, st.limit - st.used)
-        if st.used >= st.limit:
+        eta: float | None
+        if state == "done":
+            tok_s = eta = None  # nothing more will come: no rate, no ETA (the last minute's rate would lie)
+        elif st.used >= st.limit:
             eta = 0.0
-        elif tok_s > 0:
+        elif tok_s:
             eta = remaining / tok_s
         else:
             eta = None
@@ -129,7 +136,7 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
         history = [[t, buckets[t]] for t in fields if t > last - history_s]
         out.append({
             "dataset": st.name,
-            "state": _state(st, int(queued)),
+            "state": state,
             "mode": st.mode,
             "count": st.count,
             "keep": st.keep,
@@ -141,17 +148,18 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
             "used_pct": round(100.0 * st.used / st.limit, 3) if st.limit else None,
             "reserved": st.reserved,
             "in_flight": st.in_flight,
-            "queued": int(queued),
-            "failed_registry": int(failed_reg),
+            "queued": ledger["queued"],
+            "failed_registry": ledger["failed"],
             "max_tokens": st.max_tokens,
             "prior_mean": st.prior_mean,
             "mean_tokens": round(st.stats.get("sum_tokens", 0) / committed, 1) if committed else None,
             "counts": {f: st.stats.get(f, 0) for f in COUNT_FIELDS},
             "tokens": {name: st.stats.get(f, 0) for f, name in TOKEN_FIELDS.items()},
-            "tok_s": round(tok_s, 2),
+            "tok_s": None if tok_s is None else round(tok_s, 2),
             "eta_s": None if eta is None else round(eta, 1),
             "registered_at": st.registered_at,
             "history": history,
+            "ledger": ledger,
         })
     return out
 
@@ -255,7 +263,7 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
             "reserved": sum(d["reserved"] for d in datasets),
             "in_flight": sum(d["in_flight"] for d in datasets),
             "queued": sum(d["queued"] for d in datasets),
-            "tok_s": round(sum(d["tok_s"] for d in datasets), 2),
+            "tok_s": round(sum(d["tok_s"] or 0.0 for d in datasets), 2),
             "workers": len(workers),
             "worker_slots": sum(w["concurrency"] for w in workers),
         },

@@ -107,7 +107,7 @@ def test_each_job_ends_once_in_the_registry_its_ending_names(conn, redis_url):
 
 
 @pytest.mark.parametrize("reason", [Abort.BUDGET, Abort.WITHDRAWN])
-def test_a_request_aborted_in_flight_is_released_and_recorded_with_its_reason(conn, redis_url, reason):
+def test_a_request_aborted_in_flight_is_released_and_requeued(conn, redis_url, reason):
     _enqueue(conn, [_payload(0)])
     client = FakeClient()
     client.release.clear()  # the request stays at the "server"
@@ -122,10 +122,12 @@ def test_a_request_aborted_in_flight_is_released_and_recorded_with_its_reason(co
     recorder, _tracked, table = asyncio.run(_flow(redis_url, 1, client, abort))
     assert recorder.processed == 1 and not table
     job = Job.fetch("D-p0", connection=conn, serializer=JSONSerializer)
-    assert job.get_status() == JobStatus.CANCELED and job.get_meta()["skipped"] == reason.skip.value
-    assert reason.skip in (Skip.ABORTED_BUDGET, Skip.ABORTED_WITHDRAWN)
-    assert jobs.registry(CanceledJobRegistry, "D", conn).get_job_ids(cleanup=False) == ["D-p0"]
+    # Nothing aborted is lost: back at the front of the queue, runs again once admitted.
+    assert job.get_status() == JobStatus.QUEUED and conn.lrange(keys.rq_queue_key("D"), 0, -1) == [b"D-p0"]
+    assert reason.skip in (Skip.ABORTED_BUDGET, Skip.ABORTED_WITHDRAWN) and reason.skip.aborted
+    assert jobs.registry(CanceledJobRegistry, "D", conn).get_job_ids(cleanup=False) == []
     assert _stats(conn).get("aborted") == 1 and conn.hlen(keys.resv_key("D")) == 0
+    assert conn.zcard(keys.rq_wip_key("D")) == 0
 
 
 def test_a_job_cancelled_for_shutdown_goes_back_to_the_front_of_its_queue(conn, redis_url):

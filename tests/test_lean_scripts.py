@@ -56,5 +56,5 @@ def test_commit_of_a_held_admission_for_a_done_prompt_is_a_duplicate(conn):
     assert run(conn, budget.commit("D", "j1", 5, 20, "stop", '{"id": "j1"}')) is Outcome.DUPLICATE
     st = dataset_state(conn, "D")
     assert (st.used, st.reserved, st.in_flight) == (0, 0, 0)
-    assert st.stats["duplicate"] == 1 and st.stats["wasted_tokens"] == 20 and "committed" not in st.stats
+    assert st.stats["duplicate_result"] == 1 and st.stats["wasted_tokens"] == 20 and "committed" not in st.stats
     assert conn.xlen(keys.results_key("D")) == 0

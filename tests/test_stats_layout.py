@@ -12,17 +12,17 @@ import pytest
 
 from shared import budget, jobs
 from shared.config import DatasetConfig
-from shared.stats import ENDING_STATS, REQUEUE_STATS, Conf, Stat
+from shared.stats import ENDING_STATS, REOPEN_STATS, REQUEUE_STATS, Conf, Stat
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = sorted((ROOT / "shared" / "lua").glob("*.lua"))
 WRITES = {"HINCRBY", "HSET", "HSETNX", "HDEL", "HINCRBYFLOAT"}
 READS = {"HGET", "HMGET"}
-# Counted from Python, not by any script: retries (worker/recorder.py), retry-failed
-# (shared/control.py), invalid rows (producer/run.py), AbandonedJobError recoveries (maintenance).
-PYTHON_STATS = {Stat.RETRIED, Stat.RETRIED_FAILED, Stat.INVALID, Stat.RECOVERED}
+# Counted from Python, not by any script: retries (worker/recorder.py), invalid, filtered and
+# enqueued rows (producer/run.py), AbandonedJobError recoveries (maintenance).
+PYTHON_STATS = {Stat.RETRIED, Stat.INVALID, Stat.RECOVERED, Stat.ENQUEUED, Stat.FILTERED}
 # Conf fields no script reads: bookkeeping for status and the producer.
-PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD}
+PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD, Conf.SOURCE_ENDED}
 
 
 @dataclass
@@ -104,7 +104,8 @@ def lua_fields(path: Path) -> Fields:
 # Which of the two hashes each script touches. A new script goes here: its header must name
 # the conf / stats key among its KEYS so the checks below see what it does to them.
 TOUCHES = {"adjust": set(), "adopt": {"stats"}, "claim": set(), "commit": {"conf", "stats"},
-           "finish": {"stats"}, "release": {"stats"}, "requeue": {"stats"}, "reserve": {"conf", "stats"},
+           "finish": {"stats"}, "release": {"stats"}, "reopen": {"stats"}, "requeue": {"stats"},
+           "reserve": {"conf", "stats"},
            "withdraw": {"conf", "stats"}}
 
 
@@ -127,12 +128,12 @@ def test_every_field_a_script_reads_or_writes_is_documented():
 
 def test_the_documented_fields_are_exactly_the_ones_written():
     by_script = {p.stem: lua_fields(p) for p in LUA}
-    # Only finish.lua and requeue.lua count a field named in ARGV, and their Python wrappers
-    # accept only ENDING_STATS / REQUEUE_STATS (checked below).
+    # Only finish.lua, requeue.lua and reopen.lua count a field named in ARGV, and their Python
+    # wrappers accept only ENDING_STATS / REQUEUE_STATS / REOPEN_STATS (checked below).
     assert {s: f.from_argv["stats"] for s, f in by_script.items() if f.from_argv["stats"]} == \
-        {"finish": {16}, "requeue": {3}}
+        {"finish": {16}, "requeue": {3}, "reopen": {3}}
     lua_stats = set().union(*(f.written["stats"] for f in by_script.values()))
-    assert lua_stats | ENDING_STATS | REQUEUE_STATS | PYTHON_STATS == set(Stat)
+    assert lua_stats | ENDING_STATS | REQUEUE_STATS | REOPEN_STATS | PYTHON_STATS == set(Stat)
     lua_conf = set().union(*(f.literal["conf"] for f in by_script.values()))
     assert lua_conf | PYTHON_CONF == set(Conf)
 
@@ -143,8 +144,13 @@ def test_the_python_wrappers_refuse_a_counter_that_is_not_theirs():
         jobs.finish("D", c, jobs.JobEnd(jobs.Ending.FAILED, stat=Stat.COMMITTED), 0.0, "w")
     with pytest.raises(ValueError, match="not a requeue counter"):
         jobs.requeue("D", c.member, c.job_id, Stat.SKIPPED)
+    with pytest.raises(ValueError, match="not a reopen counter"):
+        jobs.reopen("D", "rq:canceled:bq-D", Stat.SKIPPED)
     for reason in jobs.Skip:
-        assert jobs.JobEnd.skip(reason).stat in ENDING_STATS
+        end = jobs.JobEnd.skip(reason)
+        # an abort is requeued (requeue.lua counts it), a budget skip ends the job (finish.lua)
+        assert end.stat in (REQUEUE_STATS if reason.aborted else ENDING_STATS)
+        assert jobs.finish("D", c, end, 0.0, "w").script == ("requeue" if reason.aborted else "finish")
     assert jobs.JobEnd.failed("x").stat in ENDING_STATS
 
 

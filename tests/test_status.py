@@ -78,7 +78,7 @@ def _seed(conn) -> float:
 def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     now = _seed(conn)
     snap = snapshot(conn, redis_url, ["http://gpu-a:30000", "http://gpu-c:30000"], history_s=600)
-    assert snap["schema"] == 1 and snap["history_s"] == 600
+    assert snap["schema"] == 2 and snap["history_s"] == 600
     assert abs(snap["generated_at"] - now) < 60
     a1, b2 = snap["datasets"]
     assert (a1["dataset"], a1["budget"], a1["used"], a1["in_flight"]) == ("A1", 10_000, 800, 1)
@@ -94,7 +94,7 @@ def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     assert len(a1["history"]) == 120 and sum(v for _t, v in a1["history"]) == 800
     assert all(t % keys.RATE_BUCKET_S == 0 for t, _v in a1["history"])
     assert b2["mode"] == "strict" and b2["exhausted"] and b2["state"] == "done"
-    assert b2["tok_s"] == 0 and b2["eta_s"] is None and b2["in_flight"] == 0
+    assert b2["tok_s"] is None and b2["eta_s"] is None and b2["in_flight"] == 0  # done: no rate, no ETA
 
     assert [w["name"] for w in snap["workers"]] == ["w1", "w2"]  # w-dead has no hash: gone
     w1 = snap["workers"][0]
@@ -172,7 +172,13 @@ def test_status_json_against_a_live_run(tmp_path, redis_url, conn, sim_factory):
         assert used_seen == sorted(used_seen) and (not used_seen or used_seen[-1] <= d["used"])
     assert by_name["A1"]["budget"] == 6000 and by_name["A1"]["used"] >= 6000 and by_name["A1"]["state"] == "done"
     assert by_name["B2"]["mode"] == "strict" and by_name["B2"]["used"] <= 5000 and by_name["B2"]["exhausted"]
-    assert by_name["C1"]["counts"]["committed"] == 25 and by_name["C1"]["state"] == "idle"
+    # every row read and every prompt ended: done, with no rate and no ETA
+    assert by_name["C1"]["counts"]["committed"] == 25 and by_name["C1"]["state"] == "done"
+    for d in by_name.values():
+        assert d["state"] == "done" and d["tok_s"] is None and d["eta_s"] is None, d
+        led = d["ledger"]
+        assert led["balanced"] and led["unaccounted"] == 0 and led["queued"] == led["running"] == 0, led
+        assert led["rows"] == d["counts"]["committed"] and led["entered"] == led["enqueued"] > 0
     assert by_name["A1"]["counts"]["skipped"] > 0
     assert final["redis"] == redis_url.removeprefix("redis://") and final["redis_tls"] is False
     assert [e["url"] for e in final["endpoints"]] == [sim]

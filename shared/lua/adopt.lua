@@ -8,6 +8,8 @@ local adopted, added = 0, 0
 for i = 1, #ARGV, 3 do
   if redis.call('SADD', KEYS[5], ARGV[i]) == 1 then
     adopted = adopted + 1
+    -- it enters the ledger here, not through the queue (shared/ledger.py)
+    redis.call('HINCRBY', KEYS[6], 'adopted', 1)
     local counted = tonumber(ARGV[i + 1])
     local completion = tonumber(ARGV[i + 2])
     redis.call('HINCRBY', KEYS[6], 'sum_completion', completion)

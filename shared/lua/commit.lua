@@ -54,7 +54,7 @@ local function commit(job, prompt_tokens, generated, row, finish_reason, lengths
     fresh = redis.call('SISMEMBER', KEYS[5], job) == 0
   end
   if not fresh then
-    bump('duplicate', 1)
+    bump('duplicate_result', 1)
     bump('wasted_tokens', generated)
     return {'DUPLICATE', used}
   end
