@@ -113,13 +113,15 @@ def apply_config(conn: redis.Redis, deadline_spec: str | None, total: int | None
     raw = {text(k): text(v) for k, v in conn.hgetall(keys.PLAN).items()}
     applied = []
     spec = "" if deadline_spec is None else str(deadline_spec)
-    if raw.get("cfg:deadline") != spec:
+    # Absent means "no config value applied yet": the same as none, so a run without a deadline
+    # or total writes and logs nothing (and keeps what an operator set live).
+    if raw.get("cfg:deadline", "") != spec:
         when = parse_deadline(deadline_spec, now)
         conn.hset(keys.PLAN, mapping={"deadline": "" if when is None else f"{when:.3f}", "cfg:deadline": spec})
         _log(conn, "deadline_set", "*", format_when(_opt_float(raw.get("deadline"))), format_when(when) + " (config)")
         applied.append(f"deadline {format_when(when)}")
     tspec = "" if total is None else str(total)
-    if raw.get("cfg:total_budget") != tspec:
+    if raw.get("cfg:total_budget", "") != tspec:
         conn.hset(keys.PLAN, mapping={"total_budget": tspec, "cfg:total_budget": tspec})
         _log(conn, "total_set", "*", raw.get("total_budget") or "none", (tspec or "none") + " (config)")
         applied.append(f"total {tspec or 'none'}")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from producer.reader import Invalid, Prompt, read_prompts
 from shared import keys
 from shared.config import DatasetConfig, ServerConfig
-from shared.identity import IdError, has_surrogate, prompt_id
+from shared.identity import IdError, has_surrogate, id_value, prompt_id
 from tests.helpers import Procs, check_invariants, rows, wait_for, write_config
 
 ANY_CHAR = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())
@@ -41,13 +41,13 @@ def _line(item) -> str:
     rid, prompt = item
     row = {}
     if rid is not MISSING:
-        row["id"] = rid
+        row["pid"] = rid  # a named id field: every row must have it (the default `id` may fall back to hashes)
     if prompt is not MISSING:
         row["prompt"] = prompt
     return json.dumps(row)
 
 
-def _expected(items) -> tuple[list[str], int]:
+def _expected(items) -> tuple[list[str | int], int]:
     """(ids of the valid rows that come out, in order; number of bad lines incl. duplicates)."""
     valid, bad, seen = [], 0, set()
     for item in items:
@@ -64,7 +64,7 @@ def _expected(items) -> tuple[list[str], int]:
             bad += 1
             continue
         seen.add(pid)
-        valid.append(pid)
+        valid.append(id_value(rid, "id"))  # as the row keeps it: an integer stays an integer
     return valid, bad
 
 
@@ -74,7 +74,7 @@ def test_the_reader_accounts_for_every_line_and_keeps_each_id_once(items):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "d.jsonl"
         path.write_text("".join(_line(i) + "\n" for i in items))
-        ds = DatasetConfig(name="P", path=str(path), budget=1, id_field="id")
+        ds = DatasetConfig(name="P", path=str(path), budget=1, id_field="pid")
         out = list(read_prompts(ds, ServerConfig()))
     want, bad = _expected(items)
     assert [p.id for p in out if isinstance(p, Prompt)] == want
@@ -104,7 +104,7 @@ def test_every_valid_unique_row_comes_out_exactly_once_end_to_end(tmp_path, redi
         items = data.draw(st.lists(ROW, min_size=1, max_size=10), label=name)
         (work / f"{name}.jsonl").write_text("".join(_line(i) + "\n" for i in items))
         expected[name] = _expected(items)
-        specs.append({"name": name, "path": str(work / f"{name}.jsonl"), "budget": "1M", "id_field": "id",
+        specs.append({"name": name, "path": str(work / f"{name}.jsonl"), "budget": "1M", "id_field": "pid",
                       "shuffle": shuffle, "sampling": {"max_tokens": 100}})
     cfg = write_config(work, redis_url, [sim], specs, producer={"high_water": high_water},
                        worker={"concurrency": concurrency})
@@ -123,6 +123,6 @@ def test_every_valid_unique_row_comes_out_exactly_once_end_to_end(tmp_path, redi
     for name in names:
         want, bad = expected[name]
         got = [r["id"] for r in rows(work / "out" / f"{name}.jsonl")]
-        assert sorted(got) == sorted(want)
+        assert sorted(got, key=repr) == sorted(want, key=repr)
         assert len(rows(work / "out" / f"{name}.invalid.jsonl")) == bad
         check_invariants(conn, work / "out", name, want)

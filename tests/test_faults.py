@@ -115,6 +115,8 @@ def test_a_bad_payload_or_an_unreadable_response_fails_one_prompt_only(tmp_path,
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+        loop.run_until_complete(runner.cleanup())  # its sockets, then the loop: nothing left to the GC
+        loop.close()
     failed = _failed(conn, "D")
     assert sorted(failed.get_job_ids(cleanup=False)) == ["D-broken", "D-p1"]
     fetch = failed.job_class.fetch
