@@ -228,7 +228,8 @@ def live_run(cfg_path: Path, tmp_path: Path, workers: list[list[str]] | None = N
     finally:
         for p in procs:
             p.terminate()
-        rcs = [p.wait(30) for p in procs]
+        # the documented bound: SIGTERM stops a worker within worker.grace_s (30 s) + 10 s
+        rcs = [p.wait(45) for p in procs]
     texts = []
     for log in logs:
         log.seek(0)
