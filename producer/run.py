@@ -277,6 +277,7 @@ class Producer:
 
     def _check_complete(self, f: Feed) -> None:
         if not (f.ended or f.halted):
+            f.complete = False  # a budget raised after it halted: reading resumed, so it is not done
             return
         pipe = self.conn.pipeline(transaction=False)
         pipe.llen(keys.rq_queue_key(f.ds.name))

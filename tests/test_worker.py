@@ -75,9 +75,13 @@ def test_stock_rq_worker_runs_the_same_job_function(tmp_path, redis_url, conn, s
     sim = sim_factory("--speedup", "500", "--length-mean", "20")
     _enqueue(conn, 3)
     env = dict(os.environ, BUDGETQ_CONFIG=str(_cfg(tmp_path, redis_url, sim)))
-    subprocess.run([sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", redis_url, "--serializer",
-                    "rq.serializers.JSONSerializer", "--worker-class", "rq.SimpleWorker", keys.queue_name("D")],
-                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=60)
+    log = tmp_path / "rq-worker.log"
+    with open(log, "wb") as out:  # a file, not a pipe: what it printed is there even after a timeout
+        proc = subprocess.run([sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", redis_url, "--serializer",
+                               "rq.serializers.JSONSerializer", "--worker-class", "rq.SimpleWorker",
+                               keys.queue_name("D")], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=180)
+    assert proc.returncode == 0, log.read_text()[-4000:]
     st = dataset_state(conn, "D")
     assert st.stats["committed"] == 3 and conn.xlen(keys.results_key("D")) == 3
     assert st.used == st.stats["sum_tokens"] > 0
