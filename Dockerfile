@@ -19,10 +19,10 @@ WORKDIR /app
 # Dependencies first, from pyproject.toml alone and an empty package skeleton: this layer is
 # rebuilt only when pyproject.toml changes, not on every code edit.
 COPY pyproject.toml README.md ./
-RUN mkdir -p shared producer worker simulator budgetq \
+RUN mkdir -p budgetq \
  && pip install . \
  && pip uninstall -y budgetq \
- && rm -rf build ./*.egg-info shared producer worker simulator budgetq
+ && rm -rf build ./*.egg-info budgetq
 
 # Then the code (see .dockerignore for what stays out), installed as the same wheel users get
 # (tests/test_packaging.py builds that wheel and runs `budgetq demo` from it). The source tree

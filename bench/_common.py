@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from simulator.local import LocalRedis, LocalSim, stop_process  # noqa: E402
+from budgetq.simulator.local import LocalRedis, LocalSim, stop_process  # noqa: E402
 
 CLI = [sys.executable, "-m", "budgetq.cli"]
 # The checkout first; a PYTHONPATH given by the caller stays behind it (e.g. to try an extra package).

@@ -1,4 +1,4 @@
-"""Budget precision (issue 4): where each policy lands, what it wastes, and how long its tail is.
+"""Budget precision: where each policy lands, what it wastes, and how long its tail is.
 
     python bench/budget_precision.py [--quick | --smoke] [--speedup S] [--budget 10M]
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import _common as c
 
-from shared import keys
-from shared.identity import job_id
-from shared.tokens import format_tokens, parse_tokens
+from budgetq.shared import keys
+from budgetq.shared.identity import job_id
+from budgetq.shared.tokens import format_tokens, parse_tokens
 
 MEANS = {"A1": 1577, "B2": 3793}
 SIGMA = 1.0

@@ -1,4 +1,4 @@
-"""The ceiling of one Redis and one collector (issue 18): what one core of each can carry.
+"""The ceiling of one Redis and one collector: what one core of each can carry.
 
     python bench/ceiling.py [--quick | --smoke] [--workers 1 2 4] [--virtual-workers 4 16 64]
 
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 import _common as c
 
-from shared import keys
-from shared.identity import job_id
+from budgetq.shared import keys
+from budgetq.shared.identity import job_id
 
 DS = "C1"
 REDIS_GOAL = 20_000.0
@@ -126,12 +126,12 @@ def enqueue_prompts(conn, n: int, result_ttl: int, batch: int) -> None:
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from shared import jobs
+    from budgetq.shared import jobs
 
     queue = jobs.LeanQueue(keys.queue_name(DS), connection=conn, serializer=JSONSerializer)
     q = "q" * 120
     for i in range(0, n, batch):
-        items = [Queue.prepare_data("worker.job.run", args=({"id": f"p{j}", "dataset": DS, "prompt_tokens": 30,
+        items = [Queue.prepare_data("budgetq.worker.job.run", args=({"id": f"p{j}", "dataset": DS, "prompt_tokens": 30,
                                                              "messages": [{"role": "user", "content": q}]},),
                                     job_id=job_id(DS, f"p{j}"), timeout=-1, result_ttl=result_ttl,
                                     failure_ttl=jobs.KEEP_S, description=f"{DS}:p{j}")
@@ -150,10 +150,10 @@ def step_costs(stack: c.Stack, n: int, merge: bool, result_ttl: int, batch: int 
     """Redis CPU us per prompt of each step of a prompt's way, the real calls in pipelines of ``batch``:
     one EVALSHA per call (``merge`` False), or a pipeline's calls of the dataset merged into one
     (what the worker's Batcher does; how many merge depends on the load)."""
-    from producer.collector import Collector
-    from shared import budget, jobs
-    from shared.config import DatasetConfig
-    from shared.scripts import run_many
+    from budgetq.producer.run.collector import Collector
+    from budgetq.shared import budget, jobs
+    from budgetq.shared.config import DatasetConfig
+    from budgetq.shared.scripts import run_many
 
     stack.flush()
     conn = stack.conn()
@@ -235,10 +235,10 @@ def saturate(stack: c.Stack, n: int, virtual_workers: int, result_ttl: int, proc
 
     import redis.asyncio as aredis
 
-    from producer.collector import Collector
-    from shared import budget, jobs
-    from shared.config import DatasetConfig
-    from shared.scripts import Batcher
+    from budgetq.producer.run.collector import Collector
+    from budgetq.shared import budget, jobs
+    from budgetq.shared.config import DatasetConfig
+    from budgetq.shared.scripts import Batcher
 
     stack.flush()
     conn = stack.conn()
@@ -340,7 +340,7 @@ def fill_results(conn, n: int, row_bytes: int) -> None:
 
 
 def collector_run(stack: c.Stack, n: int) -> CollectorRun:
-    from producer.collector import Collector
+    from budgetq.producer.run.collector import Collector
 
     stack.flush()
     conn = stack.conn()

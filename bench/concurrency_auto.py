@@ -1,4 +1,4 @@
-"""``worker.concurrency: auto`` vs. hand-tuned fixed concurrency (issue 18) on servers of different sizes.
+"""``worker.concurrency: auto`` vs. hand-tuned fixed concurrency on servers of different sizes.
 
     python bench/concurrency_auto.py [--quick | --smoke]
 
@@ -47,7 +47,7 @@ def one_run(stack: c.Stack, sims: list[c.Sim], cfg: c.Path, setting: str, warmup
         time.sleep(window_s)
         stats = [s.stats() for s in sims]
         seconds = time.monotonic() - t0
-        from shared.status import snapshot
+        from budgetq.shared.status import snapshot
 
         limits = sorted(w["concurrency"] for w in snapshot(stack.conn(), stack.url)["workers"])
     finally:

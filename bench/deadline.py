@@ -17,8 +17,8 @@ import time
 
 import _common as c
 
-from shared import keys, run_plan
-from shared.identity import job_id
+from budgetq.shared import keys, run_plan
+from budgetq.shared.identity import job_id
 
 WEIGHTS = {"A": 1.0, "B": 2.0, "C": 3.0}
 SPEEDS = {"fast": 122_000, "slow": 61_000}  # --peak-tok-s with --half-batch 1000: ~120 / ~60 tok/s per request

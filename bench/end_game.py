@@ -1,4 +1,4 @@
-"""Waste at the end of a soft budget (issue 13): today's end game vs. the margin + /abort_request.
+"""Waste at the end of a soft budget: today's end game vs. the margin + /abort_request.
 
     python bench/end_game.py [--smoke] [--speedup S] [--case NAME ...]
 
@@ -8,7 +8,7 @@ non-streaming client noticed only at SGLang's ~4 s state-wait poll, responses of
 B2 profile (lognormal sigma 1.0, capped at 8,192), 2 worker processes:
 
 - ``before``: ``end_margin_z: 0``, ``server.abort_on_cancel: false``,
-  ``worker.taper_estimate: completed`` (the end game before issue 13: the taper's length
+  ``worker.taper_estimate: completed`` (the end game before the margin and /abort_request: the taper's length
   estimate from completed answers only; a request aborted at the crossing keeps generating
   until the server notices the disconnect);
 - ``after``: the defaults (``end_margin_z: 1.0``; running requests counted as censored
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import _common as c
 from budget_precision import Sampler
 
-from shared import keys
-from shared.identity import job_id, split_job_id
-from shared.tokens import format_tokens
-from worker.sglang_wire import job_id_of_rid
+from budgetq.shared import keys
+from budgetq.shared.identity import job_id, split_job_id
+from budgetq.shared.tokens import format_tokens
+from budgetq.worker.sglang_wire import job_id_of_rid
 
 SIGMA = 1.0
 MAX_TOKENS = 8192

@@ -4,7 +4,7 @@
     python bench/features.py --backend transformers [--smoke] [--hidden-size 1024] [--layers 8]
 
 1. Per worker process: MB/s of hidden states decoded (SGLang's JSON -> bfloat16 bytes,
-   worker/hidden_decode.py) and written (safetensors shards, producer/feature_store.py).
+   hidden_states/capture/decode.py) and written (safetensors shards, hidden_states/store/shards.py).
 2. Prefill tok/s of the whole features pass (`budgetq features` + one `budgetq features-worker`,
    Redis in between, shards + index on disk) over a direct client: asyncio + aiohttp in one
    process, the same request bodies and the same number in flight, the same decode in a process
@@ -41,15 +41,15 @@ import numpy as np
 import orjson
 import yaml
 
-from producer.feature_store import FeatureStore
-from producer.features_inputs import committed_rows, conversation_ids
-from producer.tokenize import load_tokenizer
-from shared.features_schema import FeaturesMeta
-from simulator.hidden import vectors
-from simulator.local import free_port, wait_http
+from budgetq.hidden_states.capture.decode import decode
+from budgetq.hidden_states.collect.inputs import committed_rows, conversation_ids
+from budgetq.hidden_states.schema import FeaturesMeta
+from budgetq.hidden_states.store.shards import FeatureStore
+from budgetq.producer.reading.tokenize import load_tokenizer
+from budgetq.simulator.hidden import vectors
+from budgetq.simulator.local import free_port, wait_http
+from budgetq.worker.sglang_wire import prefill_body
 from tests.tiny_tokenizer import make_tiny_tokenizer
-from worker.hidden_decode import decode
-from worker.sglang_wire import prefill_body
 
 WORDS = ["hello", "what", "is", "the", "answer", "question", "explain", "write", "about", "of", "and"]
 
@@ -119,8 +119,8 @@ def run_pass(cfg_path: Path, out: Path, concurrency: int) -> float:
 
     import redis as redis_py
 
-    from producer.features import FeaturesPass
-    from shared.config import load_config
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
 
     shutil.rmtree(out / "H", ignore_errors=True)
     cfg = load_config(cfg_path)
@@ -152,8 +152,8 @@ def wait_worker(redis_url: str, deadline_s: float = 300.0) -> None:
 def bare_forward(model_path: str, samples: list[list[int]], batch_lengths: list[list[int]]) -> float:
     """Seconds of the model's forward passes alone (no hooks, nothing kept) over the batches the worker ran:
     the same sample lengths per pass (which tokens they hold does not change the cost)."""
-    from shared.config import FeaturesModelConfig
-    from worker.capture_hf import load_model
+    from budgetq.hidden_states.capture.transformers_backend import load_model
+    from budgetq.shared.config_features import FeaturesModelConfig
 
     hooked = load_model(FeaturesModelConfig(path=model_path), "bfloat16")
     hooked.remove_hooks()
@@ -174,10 +174,10 @@ def run_pipeline(cfg_path: Path, out: Path, redis_url: str, concurrency: int) ->
 
     import redis as redis_py
 
-    from producer.features import FeaturesPass
-    from shared.config import load_config
-    from worker.capture_hf import TransformersBackend
-    from worker.features import FeaturesWorker
+    from budgetq.hidden_states.capture.features_worker import FeaturesWorker
+    from budgetq.hidden_states.capture.transformers_backend import TransformersBackend
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
 
     shutil.rmtree(out / "H", ignore_errors=True)
     redis_py.Redis.from_url(redis_url).flushall()
@@ -206,8 +206,8 @@ def run_hf_pass(cfg_path: Path, out: Path, redis_url: str, concurrency: int, bac
 
     import redis as redis_py
 
-    from producer.features import FeaturesPass
-    from shared.config import load_config
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
 
     shutil.rmtree(out / "H", ignore_errors=True)
     redis_py.Redis.from_url(redis_url).flushall()

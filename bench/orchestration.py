@@ -1,4 +1,4 @@
-"""Orchestration cost (issue 5): prompts/s one worker process sustains against a zero-latency simulator.
+"""Orchestration cost: prompts/s one worker process sustains against a zero-latency simulator.
 
     python bench/orchestration.py [--quick | --smoke]
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import _common as c
 from rq.utils import utcparse
 
-from shared import keys
-from shared.identity import job_id
+from budgetq.shared import keys
+from budgetq.shared.identity import job_id
 
 DS = "O1"
 TARGET = 1000.0

@@ -1,4 +1,4 @@
-"""Pipeline vs. direct client (issue 5): output tok/s of a full budgetq run over a plain aiohttp client.
+"""Pipeline vs. direct client: output tok/s of a full budgetq run over a plain aiohttp client.
 
     python bench/pipeline_vs_direct.py [--quick | --smoke]
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import _common as c
 import aiohttp
 
-from shared.config import ServerConfig
-from shared.schema import JobPayload, Message, SamplingParams
-from worker.sglang_wire import build_request
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.worker.sglang_wire import build_request
 
 DS = "P1"
 MAX_TOKENS = 8192

@@ -1,4 +1,4 @@
-"""Prefix-aware routing vs. least in flight (issue 18): prefill saved by the servers' radix caches.
+"""Prefix-aware routing vs. least in flight: prefill saved by the servers' radix caches.
 
     python bench/prefix_routing.py [--quick | --smoke]
 

@@ -1,4 +1,4 @@
-"""Producer memory and enqueue rate (issue 5): a 10k vs. a 1M-row dataset.
+"""Producer memory and enqueue rate: a 10k vs. a 1M-row dataset.
 
     python bench/producer_memory.py [--quick | --smoke]
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import _common as c
 
-from shared import keys
+from budgetq.shared import keys
 
 DS = "M1"
 HIGH_WATER = 1024  # the default for worker.concurrency 256 (4 x)

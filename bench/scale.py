@@ -1,4 +1,4 @@
-"""Scaling (issue 5): 1, 2, 4 (, 8) worker processes -> throughput, until the simulator saturates.
+"""Scaling: 1, 2, 4 (, 8) worker processes -> throughput, until the simulator saturates.
 
     python bench/scale.py [--quick | --smoke]
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import _common as c
 
-from shared import keys
+from budgetq.shared import keys
 
 DS = "S1"
 PER_WORKER = 64

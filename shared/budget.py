@@ -15,11 +15,11 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from shared import keys
-from shared.config import DatasetConfig
-from shared.redis_conn import text
-from shared.scripts import ScriptCall
-from shared.stats import Conf
+from budgetq.shared import keys
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.redis_conn import text
+from budgetq.shared.scripts import ScriptCall
+from budgetq.shared.stats import Conf
 
 
 class Admission(enum.Enum):
@@ -130,7 +130,7 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = 
     """Write a dataset's budget settings; keeps counters (a restarted producer continues).
 
     ``keep_limit`` (a run with a deadline or a total, and a dataset without a budget): the limit
-    is the producer's budget loop's to set (producer/budget_loop.py); it is written only if absent.
+    is the producer's budget loop's to set (producer/run/budget_loop.py); it is written only if absent.
     """
     pipe = client.pipeline()
     pipe.sadd(keys.DATASETS, ds.name)

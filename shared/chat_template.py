@@ -13,8 +13,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from shared.errors import ConfigError
-from shared.schema import Message
+from budgetq.shared.errors import ConfigError
+from budgetq.shared.schema import Message
 
 # The worker loads from threads, several jobs at once; transformers' lazy imports are not
 # safe to race ("cannot import name 'AutoTokenizer'"), and one load is enough anyway.

@@ -1,50 +1,27 @@
-"""The one configuration model: a YAML file, overridden by env vars, overridden by CLI flags."""
+"""The one configuration model (its loading: config_load.py; the features: section: config_features.py)."""
 
 from __future__ import annotations
 
-import difflib
-import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from shared.errors import ConfigError
-from shared.identity import NAME_PATTERN, IdError, check_name
-from shared.sampling import extra_key_errors
-from shared.schema import SamplingParams
-from shared.tokens import parse_tokens
+from budgetq.shared.config_features import FeaturesConfig
+from budgetq.shared.config_fields import Budget, Strict, TokenCount
+from budgetq.shared.errors import ConfigError
+from budgetq.shared.identity import NAME_PATTERN, IdError, check_name
+from budgetq.shared.sampling import extra_key_errors
+from budgetq.shared.schema import SamplingParams
 
-TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
-
-
-def positive_budget(tokens: int) -> int:
-    """A budget is above 0: a 0 budget would admit nothing and end the dataset at once, which
-    is what `budgetq pause` is for (and pause can be undone without knowing the old budget)."""
-    if tokens <= 0:
-        raise ValueError(f"a budget must be above 0 (got {tokens}); to stop a dataset, pause it: budgetq pause NAME")
-    return tokens
-
-
-def _budget(value: Any) -> int:
-    return positive_budget(parse_tokens(value))
-
-
-Budget = Annotated[int, BeforeValidator(_budget)]
 # Dataset names: the rule lives in shared/identity.py (job ids and key names depend on it).
 _NAME = re.compile(NAME_PATTERN.pattern)
 # Sampling parameters a dataset may also give at its own level, as shorthand for sampling.<name>.
 SAMPLING_SHORTHAND = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop", "seed")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ServerConfig(_Strict):
+class ServerConfig(Strict):
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
     # chat = /v1/chat/completions (the server applies the chat template);
     # generate = /generate with input_ids from `tokenizer` (applied here, counted here).
@@ -95,7 +72,7 @@ class ServerConfig(_Strict):
         return self
 
 
-class DatasetConfig(_Strict):
+class DatasetConfig(Strict):
     name: str
     # A file (JSONL, JSON array, Parquet), a `datasets.save_to_disk` directory, or
     # `hf://org/name` for a hub dataset (needs network).
@@ -131,7 +108,7 @@ class DatasetConfig(_Strict):
     # Where prompt ids come from (docs/datasets.md "Ids"). `id` (the default): the dataset's `id`
     # field when its first row has one (then every row must), else a content hash. Another name:
     # that field, on every row. null: always a content hash. A restart keeps the ids a dataset's
-    # state was written with (producer/id_rule.py).
+    # state was written with (producer/run/id_rule.py).
     id_field: str | None = "id"
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
     shuffle: bool = False
@@ -217,7 +194,7 @@ class DatasetConfig(_Strict):
         return self.prior_mean_tokens or max(1, self.max_tokens // 4)
 
 
-class WorkerConfig(_Strict):
+class WorkerConfig(Strict):
     # Requests in flight per worker process, or auto: sized from each server's /server_info and
     # /v1/loads, split among the workers sharing it (worker/capacity.py).
     concurrency: Annotated[int, Field(gt=0)] | Literal["auto"] = 64
@@ -234,12 +211,12 @@ class WorkerConfig(_Strict):
     grace_s: float = Field(default=30.0, ge=0)
     # How the taper estimates a running request's final length: `censored` counts requests in
     # flight as "at least g tokens" (Kaplan-Meier) next to the completed ones; `completed` uses
-    # completed lengths only, which early in a run are the short ones (the estimate before
-    # issue 13, kept to compare: bench/end_game.py).
+    # completed lengths only, which early in a run are the short ones (the estimate the end
+    # game used before the censored one, kept to compare: bench/end_game.py).
     taper_estimate: Literal["censored", "completed"] = "censored"
 
 
-class ProducerConfig(_Strict):
+class ProducerConfig(Strict):
     # Max queued jobs per dataset; None = 4 x worker concurrency.
     high_water: int | None = Field(default=None, gt=0)
     poll_interval_s: float = Field(default=0.05, gt=0)
@@ -253,7 +230,7 @@ class ProducerConfig(_Strict):
     result_ttl_s: int = Field(default=500, ge=0)
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     """Budgets in what the operator has: a deadline and a total, split by weight (docs/budget.md)."""
 
     # A time the run must end by: a duration from the first start ("12h", "90m") or an ISO time
@@ -274,7 +251,7 @@ class RunConfig(_Strict):
     @field_validator("deadline", mode="before")
     @classmethod
     def _check_deadline(cls, v: Any) -> Any:
-        from shared.deadline_spec import PlanError, check_deadline_spec
+        from budgetq.shared.deadline_spec import PlanError, check_deadline_spec
 
         if v is None or isinstance(v, str):
             try:
@@ -284,7 +261,7 @@ class RunConfig(_Strict):
         raise ValueError(f"deadline {v!r}: expected a duration like 12h or an ISO time in quotes")
 
 
-class MonitorConfig(_Strict):
+class MonitorConfig(Strict):
     # The web monitor (budgetq monitor, or the producer with --monitor): page, JSON API, /metrics.
     host: str = "127.0.0.1"
     port: int = Field(default=9200, gt=0, lt=65536)
@@ -294,89 +271,7 @@ class MonitorConfig(_Strict):
 
 
 
-# ---------------------------------------------------------------------------------------------
-# Hidden states (issue 17): the `features` pass, a prefill-only request per committed row that
-# returns the target model's hidden states (docs/hidden_states.md).
-# ---------------------------------------------------------------------------------------------
-class FeaturesServerConfig(_Strict):
-    # Servers started with --enable-return-hidden-states; None = the generation servers (server.urls).
-    urls: list[str] | None = Field(default=None, min_length=1)
-    # Servers started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: each sample
-    # is also prefilled there and the answer kept as its aux_hidden_state (what EAGLE-3 trains on).
-    aux_urls: list[str] | None = Field(default=None, min_length=1)
-
-    @model_validator(mode="after")
-    def _check_urls(self) -> FeaturesServerConfig:
-        for name in ("urls", "aux_urls"):
-            urls = getattr(self, name)
-            for url in urls or []:
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"features.server.{name}: {url!r} is not an http(s) URL")
-            if urls:
-                setattr(self, name, [u.rstrip("/") for u in urls])
-        return self
-
-
-class FeaturesModelConfig(_Strict):
-    """The target model the ``transformers`` capture backend loads into the features worker (worker/capture_hf.py)."""
-
-    # A local directory or a hub id (as AutoModel.from_pretrained takes it).
-    path: str = Field(min_length=1)
-    # The dtype the model runs in; None: features.dtype.
-    dtype: Literal["float16", "bfloat16", "float32"] | None = None
-    # Where it runs: "cpu", "cuda", "cuda:1"...; or device_map ("auto" spreads a model over the GPUs).
-    device: str = "cpu"
-    device_map: str | None = None
-    # transformers' attention implementation (sdpa, eager, flash_attention_2); None: transformers' default.
-    attn_implementation: str | None = None
-    # EAGLE-3's aux layers, as SpecForge numbers them (the output of decoder layer i); None: its default
-    # [1, L // 2 - 1, L - 4], what SGLang captures too; [] captures the last layer only.
-    aux_layers: list[Annotated[int, Field(ge=0)]] | None = None
-    # A forward pass takes queued samples up to this many tokens (padding included); one longer runs alone.
-    max_batch_tokens: int = Field(default=16384, gt=0)
-    # How long a batch waits for more samples once one is there (the other jobs' requests are in flight).
-    batch_wait_s: float = Field(default=0.01, ge=0)
-    trust_remote_code: bool = False
-
-
-class FeaturesConfig(_Strict):
-    server: FeaturesServerConfig = Field(default_factory=FeaturesServerConfig)
-    # How features workers get hidden states: http (prefills on SGLang servers started with
-    # --enable-return-hidden-states) or transformers (the worker loads features.model and runs it itself).
-    backend: Literal["http", "transformers"] = "http"
-    model: FeaturesModelConfig | None = None
-    # How hidden states are stored: float16, or bfloat16 (the models' own dtype; no overflow).
-    dtype: Literal["float16", "bfloat16"] = "bfloat16"
-    # A shard (out/<ds>/features/<n>.safetensors) is closed and written once it holds this much.
-    shard_mb: float = Field(default=512.0, gt=0)
-    # Admissions stop before the features of a run would pass this many bytes on disk (None: only
-    # the volume's free space bounds it), with a clear message. Accepts 10G-style counts.
-    max_bytes: TokenCount | None = None
-    # Prefill requests in flight per features worker process.
-    concurrency: int = Field(default=8, gt=0)
-    # Response bytes (JSON in flight + decoded blobs) a features worker holds at once; it claims
-    # no more while over (one request is always allowed).
-    worker_max_mb: float = Field(default=2048.0, gt=0)
-    # Decoded bytes waiting in Redis for the collector, per dataset; workers stop claiming over it.
-    redis_max_mb: float = Field(default=2048.0, gt=0)
-    # Processes decoding JSON responses per features worker (off the event loop).
-    decode_processes: int = Field(default=2, gt=0)
-    # Features jobs queued per dataset at once (each carries its token ids).
-    high_water: int = Field(default=256, gt=0)
-
-    @property
-    def shard_bytes(self) -> int:
-        return int(self.shard_mb * 2**20)
-
-    @model_validator(mode="after")
-    def _backend_has_a_model(self) -> FeaturesConfig:
-        if self.backend == "transformers" and self.model is None:
-            raise ValueError("features.backend transformers needs features.model.path (a local model directory "
-                             "or a hub id)")
-        return self
-
-
-class Config(_Strict):
+class Config(Strict):
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)
     # How long worker, producer and monitor wait for Redis at start (backoff, a log line);
     # 0 = fail at once. Once running, they wait out outages of any length.
@@ -384,13 +279,13 @@ class Config(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     output_dir: Path = Path("out")
     # Free space kept untouched on output_dir's volume: generation holds admissions under it
-    # (producer/disk_guard.py), the features pass stops before it (whatever features.max_bytes says).
+    # (producer/run/disk_guard.py), the features pass stops before it (whatever features.max_bytes says).
     min_free_mb: float = Field(default=1024.0, ge=0)
     datasets: list[DatasetConfig] = Field(default_factory=list)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
-    features: FeaturesConfig = Field(default_factory=FeaturesConfig)  # hidden states (issue 17)
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig)  # hidden states
     run: RunConfig = Field(default_factory=RunConfig)  # deadline and total budget (docs/budget.md)
 
     @model_validator(mode="before")
@@ -457,119 +352,3 @@ class Config(_Strict):
         raise ConfigError(f"no dataset named {name!r} in the config")
 
 
-_ENV = {
-    "BUDGETQ_REDIS_URL": ("redis_url",),
-    "BUDGETQ_SERVER_URLS": ("server", "urls"),
-    "BUDGETQ_API_KEY": ("server", "api_key"),
-    "BUDGETQ_SERVER_API": ("server", "api"),
-    "BUDGETQ_TOKENIZER": ("server", "tokenizer"),
-    "BUDGETQ_OUTPUT_DIR": ("output_dir",),
-    "BUDGETQ_MONITOR_HOST": ("monitor", "host"),
-    "BUDGETQ_MONITOR_PORT": ("monitor", "port"),
-    "BUDGETQ_MONITOR_USERNAME": ("monitor", "username"),
-    "BUDGETQ_MONITOR_PASSWORD": ("monitor", "password"),
-}
-
-
-def _set(raw: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for part in path[:-1]:
-        raw = raw.setdefault(part, {})
-    raw[path[-1]] = value
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside a field's annotation (``X``, ``list[X]``, ``X | None``), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        if (found := _model_in(arg)) is not None:
-            return found
-    return None
-
-
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The model that holds the field at ``loc`` (list indexes skipped), e.g. DatasetConfig for
-    ``datasets.0.max_tokenz``."""
-    model: type[BaseModel] | None = Config
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if model is not None else None
-        if field is None:
-            return None
-        model = _model_in(field.annotation)
-    return model
-
-
-def _did_you_mean(loc: tuple[Any, ...]) -> str:
-    """`` (did you mean `sampling.max_tokens`?)`` for an unknown field close to a known one."""
-    model = _model_at(loc)
-    if model is None or not loc or not isinstance(loc[-1], str):
-        return ""
-    names = {n: n for n in model.model_fields}
-    if model is DatasetConfig:
-        names.update({n: f"sampling.{n}" for n in SamplingParams.model_fields if n != "extra"})
-    close = difflib.get_close_matches(loc[-1], list(names), n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean `{names[close[0]]}`?)"
-    if model is SamplingParams:
-        return f" (other SGLang sampling parameters go under sampling.extra, e.g. extra: {{{loc[-1]}: ...}})"
-    return f" (known fields: {', '.join(sorted(model.model_fields))})"
-
-
-def _describe(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        shown = repr(e.get("input"))
-        # our own messages name the value already: "(got ...)" once, not twice
-        got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg else ""
-        hint = _did_you_mean(tuple(e["loc"])) if e["type"] == "extra_forbidden" else ""
-        lines.append(f"  {loc}: {msg}{hint}{got}")
-    return "\n".join(lines)
-
-
-def _is_local_path(path: str) -> bool:
-    return "://" not in path and not os.path.isabs(path)
-
-
-def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
-                env: Mapping[str, str] | None = None) -> Config:
-    """Load YAML (if given), apply env overrides, then CLI overrides; errors name field and value."""
-    environ: Mapping[str, str] = os.environ if env is None else env
-    raw: dict[str, Any] = {}
-    source = "(defaults)"
-    if path is not None:
-        source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config {path}: top level must be a mapping, got {type(loaded).__name__}")
-        raw = loaded or {}
-        base = Path(path).resolve().parent
-        # Relative dataset paths are relative to the config file, so a config works from any cwd.
-        for ds in raw.get("datasets") or []:
-            if isinstance(ds, dict) and isinstance(ds.get("path"), str) and _is_local_path(ds["path"]):
-                cand = base / ds["path"]
-                if cand.exists() or not Path(ds["path"]).exists():
-                    ds["path"] = str(cand)
-    for var, key_path in _ENV.items():
-        if environ.get(var):
-            value: Any = environ[var]
-            if key_path == ("server", "urls"):
-                value = [u.strip() for u in value.split(",") if u.strip()]
-            _set(raw, key_path, value)
-    for key_path, value in (overrides or {}).items():
-        if value is not None:
-            _set(raw, key_path, value)
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, source)) from None

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import redis
 
-from shared import budget, jobs, keys
-from shared.budget import dataset_state
-from shared.errors import BudgetqError
-from shared.redis_conn import dataset_names
-from shared.scripts import run
-from shared.stats import Conf, Stat
+from budgetq.shared import budget, jobs, keys
+from budgetq.shared.budget import dataset_state
+from budgetq.shared.errors import BudgetqError
+from budgetq.shared.redis_conn import dataset_names
+from budgetq.shared.scripts import run
+from budgetq.shared.stats import Conf, Stat
 
 
 def who() -> str:

@@ -18,7 +18,7 @@
   worker appends ``.<hex>`` per attempt to make SGLang rids).
 - ``legacy_job_id`` is the formula of earlier versions (``<dataset>-<clean>``), kept only so
   a producer can recognise jobs and done-set members written before the change
-  (see producer/migrate.py).
+  (see producer/run/migrate.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import math
 import re
 from typing import Any
 
-from shared.json_kind import kind
+from budgetq.shared.json_kind import kind
 
 NAME_MAX = 64
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_]+(?:-[A-Za-z0-9_]+)*")
@@ -44,7 +44,7 @@ PREFIX_MAX = 40
 # Conf-hash field naming the id scheme a dataset's Redis state was written with.
 SCHEME_FIELD = "id_scheme"
 # Conf-hash field recording where a dataset's ids come from (JSON: a field name, or null for
-# content hashes), so a restart keeps them whatever the config's default (producer/id_rule.py).
+# content hashes), so a restart keeps them whatever the config's default (producer/run/id_rule.py).
 ID_FIELD_FIELD = "id_field"
 SCHEME = "2"
 SCHEME_MIGRATED = "1+2"   # state of the old scheme exists: old job ids are recognised too

@@ -30,9 +30,9 @@ from rq.serializers import JSONSerializer
 from rq.utils import now as rq_now
 from rq.utils import utcformat
 
-from shared import keys
-from shared.scripts import ScriptCall, run
-from shared.stats import ENDING_STATS, REOPEN_STATS, REQUEUE_STATS, Stat
+from budgetq.shared import keys
+from budgetq.shared.scripts import ScriptCall, run
+from budgetq.shared.stats import ENDING_STATS, REOPEN_STATS, REQUEUE_STATS, Stat
 
 # The one definition of how long RQ keeps ended jobs; the producer enqueues with them too
 # (Queue.prepare_data's result_ttl / failure_ttl), finish.lua gets them in ARGV.

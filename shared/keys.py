@@ -11,7 +11,7 @@ hash tag, so those scripts are not Redis Cluster-legal. budgetq needs a single R
 """
 from __future__ import annotations
 
-from shared import identity
+from budgetq.shared import identity
 
 PREFIX = "bq"
 DATASETS = f"{PREFIX}:datasets"
@@ -172,7 +172,7 @@ def capacity_key(url: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Hidden states (issue 17: the `features` pass). A dataset's features jobs live in their own RQ
+# Hidden states (the `features` pass). A dataset's features jobs live in their own RQ
 # queue, bq-<ds>-features, written through the same claim/finish/requeue scripts as generation
 # jobs: those scripts take a "dataset" and derive RQ's keys from it, so the features pass hands
 # them features_name(ds). Per-dataset keys keep the {ds} hash tag of the dataset itself.

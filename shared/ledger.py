@@ -35,10 +35,10 @@ from typing import Any
 
 import redis
 
-from shared import keys
-from shared.jobs import Ending
-from shared.redis_conn import text
-from shared.stats import Stat
+from budgetq.shared import keys
+from budgetq.shared.jobs import Ending
+from budgetq.shared.redis_conn import text
+from budgetq.shared.stats import Stat
 
 STATES = ("queued", "running", "rows", "truncated", "skipped", "failed")
 # Counters of the stats hash the ledger reads: in the first pipeline, then with the done check.

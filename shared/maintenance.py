@@ -22,10 +22,10 @@ from typing import cast
 import redis
 from rq.registry import FailedJobRegistry
 
-from shared import budget, jobs, keys
-from shared.redis_conn import dataset_names
-from shared.scripts import run_many
-from shared.stats import Stat
+from budgetq.shared import budget, jobs, keys
+from budgetq.shared.redis_conn import dataset_names
+from budgetq.shared.scripts import run_many
+from budgetq.shared.stats import Stat
 
 log = logging.getLogger("budgetq.maintenance")
 

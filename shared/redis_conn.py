@@ -31,9 +31,9 @@ import redis.asyncio.retry as aretry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-from shared import keys
-from shared.errors import BudgetqError, ConfigError
-from shared.retry import REDIS_DOWN, backoff_s
+from budgetq.shared import keys
+from budgetq.shared.errors import BudgetqError, ConfigError
+from budgetq.shared.retry import REDIS_DOWN, backoff_s
 
 log = logging.getLogger("budgetq.redis")
 CONNECT_TIMEOUT_S = 5.0
@@ -66,7 +66,7 @@ def _backoff() -> ExponentialWithJitterBackoff:
 
 def check_url(url: str) -> None:
     """Raise ConfigError naming the (redacted) URL and what is wrong with it, before redis-py sees it."""
-    from shared.logs import redact_url
+    from budgetq.shared.logs import redact_url
 
     shown = redact_url(url)
     try:
@@ -168,7 +168,7 @@ def is_fatal(exc: BaseException) -> bool:
 
 def explain(exc: BaseException, url: str) -> str:
     """One line for a Redis error: what went wrong, at which host (never the password), and what to do."""
-    from shared.logs import redact
+    from budgetq.shared.logs import redact
 
     where = describe(url)
     text = redact(str(exc)) or type(exc).__name__

@@ -2,7 +2,7 @@
 
 The settings live in one Redis hash (keys.PLAN) so that another shell can change them live
 (`budgetq budget deadline|total|weight`) and a restarted producer finds the same deadline and
-shares. The producer's control loop (producer/budget_loop.py) turns them into each dataset's
+shares. The producer's control loop (producer/run/budget_loop.py) turns them into each dataset's
 ``limit``, the one ledger workers already obey, and publishes what it measured and projects
 (keys.PLAN_STATE, JSON) for `budgetq status`, the monitor and `budgetq plan`.
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import redis
 
-from shared import keys
-from shared.deadline_spec import MAX_WEIGHT, PlanError, format_when, parse_deadline
-from shared.redis_conn import text
+from budgetq.shared import keys
+from budgetq.shared.deadline_spec import MAX_WEIGHT, PlanError, format_when, parse_deadline
+from budgetq.shared.redis_conn import text
 
 __all__ = ["MAX_WEIGHT", "PlanError", "PlanSettings", "format_when", "parse_deadline", "parse_weight"]
 
@@ -76,7 +76,7 @@ def read_settings(conn: redis.Redis) -> PlanSettings:
 
 
 def _log(conn: redis.Redis, action: str, dataset: str, old: object, new: object) -> None:
-    from shared.control import log_action  # control imports the ledger; keep this module light
+    from budgetq.shared.control import log_action  # control imports the ledger; keep this module light
 
     log_action(conn, action, dataset, old, new)
 

@@ -21,8 +21,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from shared.schema import SamplingParams
-from shared.sglang_names import (
+from budgetq.shared.schema import SamplingParams
+from budgetq.shared.sglang_names import (
     CHAT_REQUEST_KEYS,
     GENERATE_CONTRACT_SAMPLING_KEYS,
     GENERATE_SAMPLING_KEYS,

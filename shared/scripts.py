@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 
 def _load(name: str) -> str:
-    return resources.files("shared").joinpath("lua", f"{name}.lua").read_text()
+    return resources.files("budgetq.shared").joinpath("lua", f"{name}.lua").read_text()
 
 
 class _Script:

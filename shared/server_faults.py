@@ -27,9 +27,9 @@ from typing import Any
 
 import redis
 
-from shared import keys
-from shared.logs import redact_url
-from shared.redis_conn import text
+from budgetq.shared import keys
+from budgetq.shared.logs import redact_url
+from budgetq.shared.redis_conn import text
 
 MESSAGE_CHARS = 200      # of the last fault's server message kept (an HTML page is cut)
 FAILING_STREAK = 3       # faults in a row, no success between, that make an endpoint failing

@@ -21,14 +21,14 @@ class Conf(enum.StrEnum):
     KEEP = "keep"                    # all | complete: complete sets results cut by max_tokens aside
     PAUSED = "paused"                # "1" while an operator paused the dataset
     HOLD = "hold"                    # why the producer holds admissions (output disk full); reserve.lua
-                                     # treats it like paused; absent or "" = none (producer/disk_guard.py)
+                                     # treats it like paused; absent or "" = none (producer/run/disk_guard.py)
     PRIOR_MEAN = "prior_mean"        # expected length before enough results are in
     MAX_TOKENS = "max_tokens"        # per-request cap; also the histogram's range (commit.lua)
     END_MARGIN_Z = "end_margin_z"    # reserve.lua's end-game margin, in standard deviations
     ABORT_EPOCH = "abort_epoch"      # bumped by withdraw.lua (operator's --abort-in-flight)
     REGISTERED_AT = "registered_at"  # unix seconds of the last register_dataset
     ID_SCHEME = "id_scheme"          # job-id scheme of the dataset (shared/identity.py)
-    ID_FIELD = "id_field"            # where its prompt ids come from, JSON (producer/id_rule.py)
+    ID_FIELD = "id_field"            # where its prompt ids come from, JSON (producer/run/id_rule.py)
     SOURCE_ENDED = "source_ended"    # "1" once the producer has read every row (cleared on registration)
 
 

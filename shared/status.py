@@ -19,12 +19,12 @@ from urllib.parse import urlsplit
 
 import redis
 
-from shared import keys, run_plan, server_faults
-from shared.budget import DatasetState, dataset_state
-from shared.config import Config
-from shared.ledger import is_settled, read_ledgers
-from shared.logs import redact_url
-from shared.redis_conn import dataset_names, describe, stream_entries, text
+from budgetq.shared import keys, run_plan, server_faults
+from budgetq.shared.budget import DatasetState, dataset_state
+from budgetq.shared.config import Config
+from budgetq.shared.ledger import is_settled, read_ledgers
+from budgetq.shared.logs import redact_url
+from budgetq.shared.redis_conn import dataset_names, describe, stream_entries, text
 
 SCHEMA_VERSION = 2  # 2: counts.duplicate -> duplicate_result; a done dataset's tok_s is null; ledger
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
@@ -187,7 +187,7 @@ def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
                 "in_flight": _num(e.get("in_flight")),
                 "failures": _num(e.get("failures")),
                 "ejected_since": _num(e.get("ejected_since"), float, None),
-                # issue 18 (prefix routing): prompt tokens answered and those the server had cached
+                # prefix routing: prompt tokens answered and those the server had cached
                 "prompt_tokens": _num(e.get("prompt_tokens")),
                 "cached_tokens": _num(e.get("cached_tokens")),
             }
@@ -219,7 +219,7 @@ def endpoint_summary(workers: list[dict[str, Any]], configured: Iterable[str] = 
             a = agg.setdefault(url, {"url": url, "healthy": None, "in_flight": 0, "failures": 0, "workers": 0,
                                      "healthy_workers": 0, "ejected_since": None,
                                      "prompt_tokens": 0, "cached_tokens": 0})
-            a["prompt_tokens"] += e["prompt_tokens"]   # issue 18: over the live workers' lifetimes
+            a["prompt_tokens"] += e["prompt_tokens"]   # over the live workers' lifetimes
             a["cached_tokens"] += e["cached_tokens"]
             a["workers"] += 1
             a["in_flight"] += e["in_flight"]

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from simulator.runner import BadRequest
-from simulator.sampling import unexpected
+from budgetq.simulator.runner import BadRequest
+from budgetq.simulator.sampling import unexpected
 
 # Request mode -> rank, as SGLang's CaptureHiddenMode orders them (NULL < LAST < FULL).
 _RANK = {None: 0, "last": 1, "full": 2}

@@ -23,8 +23,8 @@ from types import TracebackType
 
 import redis
 
-from shared.errors import BudgetqError
-from shared.redis_conn import connect
+from budgetq.shared.errors import BudgetqError
+from budgetq.shared.redis_conn import connect
 
 
 def free_port() -> int:

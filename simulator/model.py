@@ -22,9 +22,9 @@ import math
 import time
 from collections import deque
 
-from simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
-from simulator.prefix_cache import PrefixCache
-from simulator.settings import SimSettings
+from budgetq.simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
+from budgetq.simulator.prefix_cache import PrefixCache
+from budgetq.simulator.settings import SimSettings
 
 __all__ = ["DONE", "Engine", "RequestRecord", "SimSettings"]
 
@@ -392,13 +392,7 @@ class Engine:
         return self._done_tokens + sum(self.tokens_now(r) for r in self._decoding.values())
 
     def stats(self) -> dict:
-        return {
-            "running": self.running, "queued": self.queued, "requests": self.requests,
-            "completed": self.completed, "aborted": self.aborted, "dropped": self.dropped,
-            "orphaned": self.orphaned, "orphaned_tokens": self.orphaned_tokens,
-            "generated_tokens": self.generated_tokens(), "aborted_tokens": self.aborted_tokens,
-            "dropped_tokens": self.dropped_tokens, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "peak_running": self.peak_running, "peak_queued": self.peak_queued,
-            "gen_throughput": self.throughput(),
-        }
+        names = ("running", "queued", "requests", "completed", "aborted", "dropped", "orphaned", "orphaned_tokens",
+                 "aborted_tokens", "dropped_tokens", "prompt_tokens", "cached_tokens", "peak_running", "peak_queued")
+        return {**{n: getattr(self, n) for n in names}, "generated_tokens": self.generated_tokens(),
+                "gen_throughput": self.throughput()}

@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from simulator import hidden
-from simulator.model import RequestRecord, SimSettings
-from simulator.runner import (
+from budgetq.simulator import hidden
+from budgetq.simulator.model import RequestRecord, SimSettings
+from budgetq.simulator.runner import (
     WAITING_ABORT,
     WEIGHT_VERSION,
     BadRequest,
@@ -23,8 +23,8 @@ from simulator.runner import (
     opt_int,
     sse,
 )
-from simulator.sampling import SamplingError, check_contract, verify
-from simulator.texts import inline_text, output_ids
+from budgetq.simulator.sampling import SamplingError, check_contract, verify
+from budgetq.simulator.texts import inline_text, output_ids
 
 # Bodies of /generate errors, by where SGLang raises them (entrypoints/http_server.py):
 # the JSON contract gate -> {"error": "<text>"}; a ValueError -> _create_error_response

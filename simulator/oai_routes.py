@@ -9,9 +9,9 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from simulator.faults import ERROR_TYPES
-from simulator.model import RequestRecord, SimSettings
-from simulator.runner import (
+from budgetq.simulator.faults import ERROR_TYPES
+from budgetq.simulator.model import RequestRecord, SimSettings
+from budgetq.simulator.runner import (
     MATCHED_STOP,
     WEIGHT_VERSION,
     BadRequest,
@@ -24,8 +24,8 @@ from simulator.runner import (
     opt_int,
     sse,
 )
-from simulator.sampling import SamplingError, chat_sampling, verify
-from simulator.texts import content_text, estimate_tokens, inline_text, separated
+from budgetq.simulator.sampling import SamplingError, chat_sampling, verify
+from budgetq.simulator.texts import content_text, estimate_tokens, inline_text, separated
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

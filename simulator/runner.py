@@ -12,10 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
-from simulator.faults import ERROR_MESSAGES, FaultInjector
-from simulator.lengths import LengthModel
-from simulator.model import DONE, Engine, RequestRecord, SimSettings
-from simulator.texts import estimate_tokens
+from budgetq.simulator.faults import ERROR_MESSAGES, FaultInjector
+from budgetq.simulator.lengths import LengthModel
+from budgetq.simulator.model import DONE, Engine, RequestRecord, SimSettings
+from budgetq.simulator.texts import estimate_tokens
 
 MATCHED_STOP = 2   # the EOS id the simulated model "stops" on
 WAITING_ABORT = "Abort in waiting queue"

@@ -14,12 +14,12 @@ from datetime import UTC, datetime
 from aiohttp import web
 from pydantic import ValidationError
 
-from simulator import metrics
-from simulator.faults import FaultInjector, Faults, proxy_page
-from simulator.model import Engine, SimSettings
-from simulator.native import NativeRoutes
-from simulator.oai_routes import OpenAIRoutes
-from simulator.runner import WEIGHT_VERSION, Runner
+from budgetq.simulator import metrics
+from budgetq.simulator.faults import FaultInjector, Faults, proxy_page
+from budgetq.simulator.model import Engine, SimSettings
+from budgetq.simulator.native import NativeRoutes
+from budgetq.simulator.oai_routes import OpenAIRoutes
+from budgetq.simulator.runner import WEIGHT_VERSION, Runner
 
 VERSION = "0.5.23-sim"   # the SGLang release whose behaviour the simulator mirrors
 _NO_KEY = {"/health", "/health_generate", "/metrics"}

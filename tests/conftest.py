@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.logs import forget_secrets
-from simulator.local import LocalRedis, LocalSim
+from budgetq.shared.logs import forget_secrets
+from budgetq.simulator.local import LocalRedis, LocalSim
 
 ROOT = Path(__file__).resolve().parent.parent
 

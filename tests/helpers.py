@@ -24,8 +24,8 @@ import yaml
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import keys
-from shared.identity import job_id
+from budgetq.shared import keys
+from budgetq.shared.identity import job_id
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "budgetq.cli"]

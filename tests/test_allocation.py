@@ -1,4 +1,4 @@
-"""The budget arithmetic (producer/allocation.py) and the run settings (shared/run_plan.py)."""
+"""The budget arithmetic (producer/run/allocation.py) and the run settings (shared/run_plan.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.allocation import Claim, Latencies, RateMeter, deadline_total, phase, water_fill
-from shared import keys, run_plan
+from budgetq.producer.run.allocation import Claim, Latencies, RateMeter, deadline_total, phase, water_fill
+from budgetq.shared import keys, run_plan
 
 claims_st = st.lists(
     st.tuples(st.floats(0.1, 10), st.integers(0, 10_000), st.one_of(st.none(), st.integers(0, 50_000))),
@@ -125,8 +125,8 @@ def test_config_values_apply_once_and_live_changes_survive_a_restart(conn):
 
 
 def test_a_config_without_budgets_needs_a_total_or_a_deadline(tmp_path):
-    from shared.config import load_config
-    from shared.errors import ConfigError
+    from budgetq.shared.config_load import load_config
+    from budgetq.shared.errors import ConfigError
 
     p = tmp_path / "c.yaml"
     p.write_text("datasets: [{name: A, path: x}]\n")

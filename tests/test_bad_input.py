@@ -13,9 +13,9 @@ from rq.job import Job, validate_job_id
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import keys
-from shared.identity import SCHEME_FIELD, SCHEME_MIGRATED, legacy_job_id
-from shared.schema import JobPayload, Message, SamplingParams
+from budgetq.shared import keys
+from budgetq.shared.identity import SCHEME_FIELD, SCHEME_MIGRATED, legacy_job_id
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
 from tests.helpers import PY, ROOT, Procs, check_invariants, rows, run_to_completion, sim_get, write_config
 
 SIM = ("--speedup", "500", "--length-mean", "40")
@@ -157,8 +157,8 @@ def test_a_run_started_with_the_old_job_ids_resumes_without_running_anything_twi
     conn.set(keys.used_key(ds), sum(r["completion_tokens"] for r in done_rows))
     conn.hset(keys.stats_key(ds), mapping={"committed": 4})
     q = Queue(keys.queue_name(ds), connection=conn, serializer=JSONSerializer)
-    q.enqueue("worker.job.run_prompt", _old_payload(ds, "p4"), job_id=legacy_job_id(ds, "p4"), job_timeout=-1)
-    failed = q.enqueue("worker.job.run_prompt", _old_payload(ds, "p5"), job_id=legacy_job_id(ds, "p5"))
+    q.enqueue("budgetq.worker.job.run_prompt", _old_payload(ds, "p4"), job_id=legacy_job_id(ds, "p4"), job_timeout=-1)
+    failed = q.enqueue("budgetq.worker.job.run_prompt", _old_payload(ds, "p5"), job_id=legacy_job_id(ds, "p5"))
     q.remove(failed.id)
     FailedJobRegistry(q.name, connection=conn, serializer=JSONSerializer).add(failed, exc_string="old failure")
     Job.fetch(failed.id, connection=conn, serializer=JSONSerializer).set_status("failed")
@@ -184,9 +184,9 @@ def test_a_run_started_with_the_old_job_ids_resumes_without_running_anything_twi
 def test_unexpected_errors_cost_only_their_row(tmp_path, redis_url, conn, monkeypatch):
     """A row whose mapping raises something unexpected, one whose payload cannot be built, and one
     RQ refuses at enqueue: each is recorded invalid; every other row of every dataset is enqueued."""
-    import producer.reader as reader
-    import producer.run as run
-    from shared.config import load_config
+    import budgetq.producer.reading.reader as reader
+    import budgetq.producer.run.producer as run
+    from budgetq.shared.config_load import load_config
 
     for name in ("E", "F"):
         _write(tmp_path / f"{name}.jsonl", [{"id": f"p{i}", "prompt": f"q {i}"} for i in range(6)])

@@ -17,10 +17,10 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer.reader import Invalid, Prompt, read_prompts
-from shared import keys
-from shared.config import DatasetConfig, ServerConfig
-from shared.identity import IdError, has_surrogate, id_value, prompt_id
+from budgetq.producer.reading.reader import Invalid, Prompt, read_prompts
+from budgetq.shared import keys
+from budgetq.shared.config import DatasetConfig, ServerConfig
+from budgetq.shared.identity import IdError, has_surrogate, id_value, prompt_id
 from tests.helpers import Procs, check_invariants, rows, wait_for, write_config
 
 ANY_CHAR = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())

@@ -6,10 +6,10 @@ import asyncio
 
 import redis.asyncio as aredis
 
-from shared import budget
-from shared.budget import Admission
-from shared.config import DatasetConfig
-from shared.scripts import Batcher, run
+from budgetq.shared import budget
+from budgetq.shared.budget import Admission
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.scripts import Batcher, run
 
 
 def test_calls_made_while_a_pipeline_is_in_flight_go_together_after_it(conn, redis_url):

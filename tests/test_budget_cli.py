@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from shared import keys, run_plan
+from budgetq.shared import keys, run_plan
 from tests.helpers import PY, ROOT, Procs, wait_for, write_config, write_dataset
 
 

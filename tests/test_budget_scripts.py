@@ -2,11 +2,11 @@
 
 import asyncio
 
-from shared import budget, keys
-from shared.budget import Admission, Outcome, dataset_state, register_dataset
-from shared.config import DatasetConfig
-from shared.redis_conn import aconnect
-from shared.scripts import arun, run
+from budgetq.shared import budget, keys
+from budgetq.shared.budget import Admission, Outcome, dataset_state, register_dataset
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.redis_conn import aconnect
+from budgetq.shared.scripts import arun, run
 
 
 def _ds(conn, name="D", budget_=1000, mode="soft", prior=30, max_tokens=30, **extra):

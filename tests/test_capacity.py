@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from budgetq.cli import concurrency_arg
-from shared import keys
-from shared.config import WorkerConfig
-from shared.status import snapshot
+from budgetq.cli.main import concurrency_arg
+from budgetq.shared import keys
+from budgetq.shared.config import WorkerConfig
+from budgetq.shared.status import snapshot
+from budgetq.worker.capacity import ServerLoad, my_share, next_target, parse_loads, parse_server_info, queue_target
 from tests.helpers import Procs, sim_get, wait_for, write_config
-from worker.capacity import ServerLoad, my_share, next_target, parse_loads, parse_server_info, queue_target
 
 
 def test_the_simulator_reports_capacity_and_load_like_sglang(sim_factory):

@@ -1,4 +1,4 @@
-"""`capture: features` (issue 17): `budgetq produce` captures the hidden states of a dataset's rows as they
+"""`capture: features`: `budgetq produce` captures the hidden states of a dataset's rows as they
 commit, and ends only once every row has them; `budgetq worker` serves the features jobs.
 
 Real Redis, real RQ, real HTTP (one `budgetq sim --enable-return-hidden-states` serves generation and
@@ -14,8 +14,8 @@ import subprocess
 import pytest
 import yaml
 
-from producer.feature_store import features_dir, index_rows
-from shared import keys
+from budgetq.hidden_states.store.shards import features_dir, index_rows
+from budgetq.shared import keys
 from tests.helpers import PY, ROOT, Procs, check_invariants, rows, wait_for, write_dataset
 from tests.test_features import HIDDEN, check_samples
 from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -191,8 +191,8 @@ def test_sigint_stops_both_and_a_restart_finishes(tmp_path, redis_url, conn, sim
 
 
 def test_capture_is_none_by_default_and_needs_a_tokenizer(tmp_path):
-    from shared.config import Config
-    from shared.errors import ConfigError
+    from budgetq.shared.config import Config
+    from budgetq.shared.errors import ConfigError
 
     with pytest.raises((ValueError, ConfigError), match="dataset A: capture: features needs server.tokenizer"):
         Config.model_validate({"datasets": [{"name": "A", "path": "a.jsonl", "budget": "1k",
@@ -205,9 +205,9 @@ def test_capture_is_none_by_default_and_needs_a_tokenizer(tmp_path):
 
 
 def test_worker_serves_features_jobs_only_with_a_capture_dataset(tmp_path):
-    from budgetq.cli import build_parser
-    from budgetq.cli_features import capture_datasets
-    from shared.config import Config
+    from budgetq.cli.features import capture_datasets
+    from budgetq.cli.main import build_parser
+    from budgetq.shared.config import Config
 
     cfg = Config.model_validate({"server": {"tokenizer": "x"}, "datasets": [
         {"name": "A", "path": "a.jsonl", "budget": "1k", "capture": "features"},
@@ -219,8 +219,8 @@ def test_worker_serves_features_jobs_only_with_a_capture_dataset(tmp_path):
 def test_a_second_collector_stops_produce_at_start_with_one_line(tmp_path, redis_url, conn):
     """`budgetq features --follow` already collects A: a produce with capture: features for A refuses to
     start (two collectors would write the same results), in one line, before enqueueing anything."""
-    from producer.features import FeaturesPass
-    from shared.config import load_config
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
 
     cfg, _, _ = capture_config(tmp_path, redis_url, "http://127.0.0.1:9", 3, 1)
     other = FeaturesPass(load_config(cfg), conn, ["A"], follow=True)
@@ -244,7 +244,7 @@ def test_redis_crash_mid_run_capture_still_ends_complete(tmp_path, sim_factory):
 
     import redis
 
-    from simulator.local import LocalRedis
+    from budgetq.simulator.local import LocalRedis
 
     server = LocalRedis(appendonly=True)
     conn = redis.Redis.from_url(server.url)
@@ -284,9 +284,9 @@ def test_redis_crash_mid_run_capture_still_ends_complete(tmp_path, sim_factory):
 def test_jobs_redis_lost_are_enqueued_again(tmp_path, redis_url, conn, sim_factory):
     """Features jobs enqueued, then gone from Redis (a crash past its last AOF fsync): the pass notices once
     nothing is queued or running, reads those rows again and enqueues them anew, and ends complete."""
-    from producer.features import FeaturesPass
-    from shared.config import load_config
-    from shared.identity import job_id
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
+    from budgetq.shared.identity import job_id
     from tests.test_features import features_config, write_rows
 
     sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))

@@ -20,18 +20,20 @@ import yaml
 
 torch = pytest.importorskip("torch")
 
-from producer.feature_store import features_dir, index_rows  # noqa: E402
-from producer.safetensors_io import read_tensor  # noqa: E402
-from shared import keys  # noqa: E402
-from shared.config import Config, FeaturesModelConfig, load_config  # noqa: E402
-from shared.errors import ConfigError  # noqa: E402
-from shared.features_schema import FeaturesPayload  # noqa: E402
+from budgetq.hidden_states.capture.decode import HiddenStatesError  # noqa: E402
+from budgetq.hidden_states.capture.transformers_backend import HookedModel, TransformersBackend, load_model, take_batch  # noqa: E402
+from budgetq.hidden_states.schema import FeaturesPayload  # noqa: E402
+from budgetq.hidden_states.store.safetensors_io import read_tensor  # noqa: E402
+from budgetq.hidden_states.store.shards import features_dir, index_rows  # noqa: E402
+from budgetq.shared import keys  # noqa: E402
+from budgetq.shared.config import Config  # noqa: E402
+from budgetq.shared.config_features import FeaturesModelConfig  # noqa: E402
+from budgetq.shared.config_load import load_config  # noqa: E402
+from budgetq.shared.errors import ConfigError  # noqa: E402
 from tests.helpers import PY, ROOT, Procs, wait_for  # noqa: E402
 from tests.test_features import run_features, write_rows  # noqa: E402
 from tests.tiny_llama import make_tiny_llama  # noqa: E402
 from tests.tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
-from worker.capture_hf import HookedModel, TransformersBackend, load_model, take_batch  # noqa: E402
-from worker.hidden_decode import HiddenStatesError  # noqa: E402
 
 HIDDEN, LAYERS = 64, 8   # default aux layers of 8: [1, 3, 4]
 
@@ -58,8 +60,8 @@ def _own(model, ids: list[int]) -> tuple:
 
 def test_layers_are_sglangs_and_specforges_eagle3_capture():
     """SpecForge's aux layers (outputs of 1, L/2-1, L-4) are the inputs of SGLang's layers_to_capture."""
+    from budgetq.hidden_states.capture.transformers_backend import aux_layers_for, default_aux_layers
     from tests.test_features import _wheel_source
-    from worker.capture_hf import aux_layers_for, default_aux_layers
 
     src = _wheel_source("srt/models/llama.py")
     assert "self.model.layers_to_capture = [2, num_layers // 2, num_layers - 3]" in src
@@ -250,7 +252,7 @@ def test_a_plain_rq_worker_runs_a_transformers_features_job(tmp_path, redis_url,
     """The fallback job function goes through the configured backend too (the model loaded for the job)."""
     import sys
 
-    from producer.features import FeaturesPass
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
 
     cfg_path = hf_config(tmp_path, redis_url, tiny)
     ids = write_rows(tmp_path / "out", "A", 2)

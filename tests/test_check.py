@@ -12,9 +12,9 @@ import pytest
 import redis
 import yaml
 
-from producer.check import model_matches, reason_key
-from shared import keys
-from simulator.local import free_port
+from budgetq.producer.ops.check import model_matches, reason_key
+from budgetq.shared import keys
+from budgetq.simulator.local import free_port
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared import budget, keys
-from shared.budget import register_dataset
-from shared.config import DatasetConfig
-from shared.scripts import run
+from budgetq.shared import budget, keys
+from budgetq.shared.budget import register_dataset
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.scripts import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +72,8 @@ BAD_URLS = (("redis://127.0.0.1:abc/0", "Port could not be cast"), ("redis://[::
 
 
 def test_malformed_redis_urls_are_refused_before_any_connection():
-    from shared.errors import ConfigError
-    from shared.redis_conn import aconnect, check_url, connect
+    from budgetq.shared.errors import ConfigError
+    from budgetq.shared.redis_conn import aconnect, check_url, connect
 
     for url, why in BAD_URLS:
         for make in (check_url, connect, aconnect):
@@ -102,7 +102,7 @@ def test_malformed_redis_urls_are_one_line_errors_in_every_command(tmp_path):
 
 
 def test_token_counts_are_parsed_exactly():
-    from shared.tokens import MAX_TOKENS, parse_tokens
+    from budgetq.shared.tokens import MAX_TOKENS, parse_tokens
 
     assert parse_tokens("12345678901234567") == 12345678901234567
     assert parse_tokens("2.5k") == 2500 and parse_tokens("10_000_000") == 10_000_000
@@ -124,7 +124,7 @@ def test_database_out_of_range_is_a_one_line_error(tmp_path, redis_url):
 
 
 def test_password_protected_redis_without_the_password_says_so(tmp_path):
-    from simulator.local import LocalRedis
+    from budgetq.simulator.local import LocalRedis
 
     server = LocalRedis(password="pw-for-the-test")
     try:

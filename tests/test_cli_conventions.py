@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 from helpers import ROOT, wait_for
 
-from shared.budget import register_dataset
-from shared.config import DatasetConfig
+from budgetq.shared.budget import register_dataset
+from budgetq.shared.config import DatasetConfig
 
 PY = [sys.executable, "-m", "budgetq.cli"]
 

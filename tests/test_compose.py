@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import WorkerConfig, load_config
+from budgetq.shared.config import WorkerConfig
+from budgetq.shared.config_load import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE, GPU = ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml"

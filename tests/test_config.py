@@ -3,9 +3,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import load_config
-from shared.errors import ConfigError
-from shared.tokens import parse_tokens
+from budgetq.shared.config_load import load_config
+from budgetq.shared.errors import ConfigError
+from budgetq.shared.tokens import parse_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,7 +88,7 @@ def test_example_config_names_every_field_of_the_model():
     field if any of its entries sets it."""
     from pydantic import BaseModel
 
-    from shared.config import Config
+    from budgetq.shared.config import Config
 
     example = yaml.safe_load((ROOT / "examples" / "budgetq.yaml").read_text())
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import load_config
-from shared.errors import ConfigError
+from budgetq.shared.config_load import load_config
+from budgetq.shared.errors import ConfigError
 
 
 def _load(tmp_path, text: str):

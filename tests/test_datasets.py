@@ -14,12 +14,12 @@ import pytest
 import yaml
 from tiny_tokenizer import make_tiny_tokenizer
 
-from budgetq.cli import main
-from producer import sources
-from producer.meta import check_and_write_meta
-from producer.reader import Filtered, Invalid, Prompt, read_prompts
-from shared.config import Config, DatasetConfig, ServerConfig
-from shared.errors import ConfigError
+from budgetq.cli.main import main
+from budgetq.producer.reading import sources
+from budgetq.producer.reading.reader import Filtered, Invalid, Prompt, read_prompts
+from budgetq.producer.run.meta import check_and_write_meta
+from budgetq.shared.config import Config, DatasetConfig, ServerConfig
+from budgetq.shared.errors import ConfigError
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,7 +241,7 @@ def test_messages_and_sharegpt_map_to_chat_messages_in_both_key_styles(tmp_path)
     aliases = [{"from": a, "value": "x"} for a in ("chatgpt", "bing", "bard", "assistant")]
     rows = [{"c": [{"from": "user", "value": "q"}, *aliases, {"from": "human", "value": "q2"}]}]
     msgs = prompts(read(ds_cfg(write("jsonl", tmp_path / "aliases", rows), conversations_field="c")))[0].messages
-    # consecutive assistant turns are merged into one (producer/conversations.py, rule 5)
+    # consecutive assistant turns are merged into one (producer/reading/conversations.py, rule 5)
     assert [(m.role, m.content) for m in msgs] == [("user", "q"), ("assistant", "x\n\nx\n\nx\n\nx"), ("user", "q2")]
 
 
@@ -460,7 +460,7 @@ def _wait_for_queues(conn, names: list[str], prod) -> None:
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from shared import keys
+    from budgetq.shared import keys
 
     queues = [Queue(keys.queue_name(n), connection=conn, serializer=JSONSerializer) for n in names]
     deadline = time.monotonic() + 60

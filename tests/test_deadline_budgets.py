@@ -14,8 +14,8 @@ from __future__ import annotations
 import signal
 import time
 
-from shared import keys, run_plan
-from shared.identity import job_id
+from budgetq.shared import keys, run_plan
+from budgetq.shared.identity import job_id
 from tests.helpers import Procs, rows, sim_get, wait_for, write_config, write_dataset
 
 SPEEDUP = 10

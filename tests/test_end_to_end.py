@@ -9,7 +9,7 @@ from pathlib import Path
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from shared import keys
+from budgetq.shared import keys
 from tests.helpers import check_invariants, live_run, rows, sim_get, write_config, write_dataset
 
 

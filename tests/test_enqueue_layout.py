@@ -6,13 +6,13 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from shared.jobs import LeanQueue
+from budgetq.shared.jobs import LeanQueue
 
 _STAMPS = {b"created_at", b"enqueued_at"}  # times: differ between any two enqueues
 
 
 def _items(prefix: str, **extra) -> list:
-    return [Queue.prepare_data("worker.job.run", args=({"id": i},), job_id=f"{prefix}{i}", timeout=-1,
+    return [Queue.prepare_data("budgetq.worker.job.run", args=({"id": i},), job_id=f"{prefix}{i}", timeout=-1,
                                result_ttl=500, failure_ttl=99, description=f"d{i}", **extra) for i in range(3)]
 
 

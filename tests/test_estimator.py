@@ -3,7 +3,7 @@
 import math
 import random
 
-from worker.estimator import BINS, LengthModel, kaplan_meier_tail
+from budgetq.worker.estimator import BINS, LengthModel, kaplan_meier_tail
 
 MAX = 8192
 WIDTH = MAX // BINS

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from budgetq.cli import main
-from producer.export import SCHEMA, export_parquet
-from shared.schema import ResultRow
+from budgetq.cli.main import main
+from budgetq.producer.ops.export import SCHEMA, export_parquet
+from budgetq.shared.schema import ResultRow
 
 
 def result(i: int, reasoning: str | None = None) -> dict:

@@ -10,11 +10,11 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import jobs, keys
-from shared.budget import register_dataset
-from shared.config import DatasetConfig
-from shared.schema import JobPayload, Message
-from simulator.local import free_port
+from budgetq.shared import jobs, keys
+from budgetq.shared.budget import register_dataset
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.schema import JobPayload, Message
+from budgetq.simulator.local import free_port
 from tests.helpers import PY, ROOT, check_invariants, run_to_completion, sim_get, write_config, write_dataset
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
@@ -108,8 +108,8 @@ def test_a_bad_payload_or_an_unreadable_response_fails_one_prompt_only(tmp_path,
         for i, text in enumerate(["fine", "weird one", "fine again"]):
             p = JobPayload(id=f"p{i}", dataset="D", messages=[Message(role="user", content=text)],
                            sampling={"max_tokens": 10})
-            q.enqueue("worker.job.run_prompt", p.model_dump(mode="json"), job_id=f"D-p{i}")
-        q.enqueue("worker.job.run_prompt", {"id": "broken"}, job_id="D-broken")  # not a valid payload
+            q.enqueue("budgetq.worker.job.run_prompt", p.model_dump(mode="json"), job_id=f"D-p{i}")
+        q.enqueue("budgetq.worker.job.run_prompt", {"id": "broken"}, job_id="D-broken")  # not a valid payload
         cfg = write_config(tmp_path, redis_url, [f"http://127.0.0.1:{port}"], [], worker=FAST, server=RETRY)
         subprocess.run([*PY, "worker", "--burst", "-c", str(cfg)], cwd=ROOT, check=True, timeout=60)
     finally:

@@ -1,4 +1,4 @@
-"""Hidden states (issue 17): the features pass end to end against the simulator, and its pieces.
+"""Hidden states: the features pass end to end against the simulator, and its pieces.
 
 Real Redis, real RQ, real HTTP (``budgetq sim --enable-return-hidden-states``), real files.
 """
@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import yaml
 
-from producer.feature_store import FeatureStore, features_dir, index_rows
-from producer.safetensors_io import read_header, read_tensor
-from shared import keys
-from shared.features_schema import FeaturesMeta
-from simulator.hidden import NOT_ENABLED, vectors
+from budgetq.hidden_states.capture.decode import from_dtype, to_dtype
+from budgetq.hidden_states.schema import FeaturesMeta
+from budgetq.hidden_states.store.safetensors_io import read_header, read_tensor
+from budgetq.hidden_states.store.shards import FeatureStore, features_dir, index_rows
+from budgetq.shared import keys
+from budgetq.simulator.hidden import NOT_ENABLED, vectors
 from tests.helpers import PY, ROOT, Procs, wait_for
 from tests.tiny_tokenizer import make_tiny_tokenizer
-from worker.hidden_decode import from_dtype, to_dtype
 
 HIDDEN = 16
 WORDS = ["hello", "what", "is", "the", "answer", "question", "explain", "write", "about"]
@@ -280,7 +280,7 @@ def test_dead_features_worker_jobs_come_back(tmp_path, redis_url, conn, sim_fact
 def test_decode_checks_rows_against_tokens(dtype):
     import orjson
 
-    from worker.hidden_decode import HiddenStatesError, decode
+    from budgetq.hidden_states.capture.decode import HiddenStatesError, decode
 
     arr = vectors(np.array([4, 5, 6]), np.arange(3), 8)
     body = orjson.dumps({"meta_info": {"hidden_states": [arr.tolist()]}})
@@ -292,7 +292,7 @@ def test_decode_checks_rows_against_tokens(dtype):
 
 def test_specforge_offline_layout(tmp_path):
     """Paths, keys, dtypes and shapes SpecForge's OfflineEagle3Dataset reads (torch.save itself needs torch)."""
-    from producer.features_export import offline_path, offline_samples
+    from budgetq.hidden_states.collect.export import offline_path, offline_samples
 
     store = FeatureStore(tmp_path, "A", shard_bytes=10**9)
     for i in range(3):
@@ -312,7 +312,7 @@ def test_specforge_offline_layout(tmp_path):
 
 def test_specforge_offline_files_load_with_torch(tmp_path):
     torch = pytest.importorskip("torch")
-    from producer.features_export import export_specforge_offline
+    from budgetq.hidden_states.collect.export import export_specforge_offline
 
     store = FeatureStore(tmp_path, "A", shard_bytes=10**9)
     store.add(*_meta("p0", 5))
@@ -339,7 +339,7 @@ def test_simulator_messages_and_flags_are_sglangs():
     """The 400 texts, the request modes and the server flags, as the pinned wheel has them."""
     import re
 
-    from simulator import hidden
+    from budgetq.simulator import hidden
 
     def squash(text: str) -> str:  # Python's implicit string concatenation across lines
         return re.sub(r'"\s*\n\s*f?"', "", text)
@@ -354,8 +354,8 @@ def test_simulator_messages_and_flags_are_sglangs():
 
 
 def test_the_prefill_request_passes_sglangs_request_model():
+    from budgetq.worker.sglang_wire import prefill_body
     from tests import sglang_contract as sc
-    from worker.sglang_wire import prefill_body
 
     try:
         sc.validate_generate_request(json.loads(json.dumps(prefill_body([1, 2, 3], "A-features--r1.0123456789ab"))))
@@ -378,8 +378,8 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 def test_workers_pause_while_redis_holds_redis_max_mb_for_the_collector(tmp_path, redis_url, conn, sim_factory):
-    from producer.features import FeaturesPass
-    from shared.config import load_config
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
 
     sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
     cfg = features_config(tmp_path, redis_url, sim, redis_max_mb=0.0001, concurrency=5)
@@ -440,9 +440,9 @@ def test_follow_captures_rows_as_they_commit(tmp_path, redis_url, conn, sim_fact
 def test_disk_guard_stops_before_the_volume_fills(tmp_path, monkeypatch):
     from collections import namedtuple
 
-    from producer import disk_guard
-    from producer import features_guard as pf
-    from shared.config import Config
+    from budgetq.hidden_states.collect import guard as pf
+    from budgetq.producer.run import disk_guard
+    from budgetq.shared.config import Config
 
     cfg = Config.model_validate({"output_dir": str(tmp_path), "min_free_mb": 1, "features": {"concurrency": 2}})
     guard = pf.DiskGuard(cfg)
@@ -460,8 +460,8 @@ def test_disk_guard_stops_before_the_volume_fills(tmp_path, monkeypatch):
 def test_aux_server_answers_are_kept_as_aux_hidden_state(tmp_path, redis_url, conn, sim_factory):
     """features.server.aux_urls (a server with --enable-return-aux-hidden-states): each sample also gets
     the three EAGLE-3 layers, [tokens, 3 x hidden], aligned with its tokens, and the offline export has them."""
-    from producer.features_export import offline_samples
-    from simulator.hidden import aux_vectors
+    from budgetq.hidden_states.collect.export import offline_samples
+    from budgetq.simulator.hidden import aux_vectors
 
     main = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
     aux = sim_factory("--instant", "--enable-return-aux-hidden-states", "--hidden-size", str(HIDDEN))
@@ -492,8 +492,8 @@ def test_aux_server_answers_are_kept_as_aux_hidden_state(tmp_path, redis_url, co
 
 def test_a_plain_rq_worker_runs_a_features_job(tmp_path, redis_url, conn, sim_factory):
     """The fallback: `rq worker` (JSON serializer) runs the job function one job at a time; the pass collects."""
-    from producer.features import FeaturesPass
-    from shared.config import load_config
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
 
     sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
     cfg = features_config(tmp_path, redis_url, sim, concurrency=3)
@@ -513,9 +513,9 @@ def test_a_plain_rq_worker_runs_a_features_job(tmp_path, redis_url, conn, sim_fa
 
 
 def test_one_collector_per_dataset(tmp_path, redis_url, conn):
-    from producer.features import FeaturesPass
-    from shared.config import load_config
-    from shared.errors import BudgetqError
+    from budgetq.hidden_states.collect.features_pass import FeaturesPass
+    from budgetq.shared.config_load import load_config
+    from budgetq.shared.errors import BudgetqError
 
     cfg = load_config(features_config(tmp_path, redis_url, "http://127.0.0.1:9"))
     first = FeaturesPass(cfg, conn)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from shared import keys
+from budgetq.shared import keys
 from tests.helpers import Procs, rows, write_config, write_dataset
 
 

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 import pytest
 from transformers import AutoTokenizer
 
-from shared.identity import job_id
+from budgetq.shared.identity import job_id
+from budgetq.worker.sglang_wire import job_id_of_rid
 from tests.helpers import PY, ROOT, rows, sim_get, write_config, write_dataset
 from tests.tiny_tokenizer import make_tiny_tokenizer
-from worker.sglang_wire import job_id_of_rid
 
 
 def _run(cfg) -> None:

@@ -14,8 +14,8 @@ import pytest
 import redis
 import yaml
 
-from shared import keys
-from simulator.local import LocalRedis, free_port
+from budgetq.shared import keys
+from budgetq.simulator.local import LocalRedis, free_port
 from tests.helpers import PY, ROOT, Procs, wait_for
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}

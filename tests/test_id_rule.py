@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from producer.id_rule import settle_id_field
-from producer.reader import Invalid, Prompt, read_prompts
-from shared import keys
-from shared.config import DatasetConfig, ServerConfig
-from shared.errors import ConfigError
-from shared.identity import job_id, stable_id
-from shared.schema import JobPayload, ResultRow
+from budgetq.producer.reading.reader import Invalid, Prompt, read_prompts
+from budgetq.producer.run.id_rule import settle_id_field
+from budgetq.shared import keys
+from budgetq.shared.config import DatasetConfig, ServerConfig
+from budgetq.shared.errors import ConfigError
+from budgetq.shared.identity import job_id, stable_id
+from budgetq.shared.schema import JobPayload, ResultRow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,8 +63,8 @@ def test_an_integer_id_is_an_integer_in_the_row_and_a_string_in_every_key():
     payload = JobPayload.model_validate(json.loads(JobPayload(
         id=12, dataset="A", messages=[{"role": "user", "content": "q"}], sampling={}).model_dump_json()))
     assert payload.id == 12 and job_id("A", payload.id) == job_id("A", "12") == "A--12"
-    from worker.process import build_row
-    from worker.sglang_wire import Completion
+    from budgetq.worker.process import build_row
+    from budgetq.worker.sglang_wire import Completion
 
     out = Completion(text="a", reasoning=None, prompt_tokens=1, completion_tokens=1, finish_reason="stop", endpoint="e",
                      latency_s=0.1)

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rq.job import validate_job_id
 
-from producer.seen import SeenIds
-from shared import keys
-from shared.config import DatasetConfig
-from shared.identity import (
+from budgetq.producer.reading.seen import SeenIds
+from budgetq.shared import keys
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.identity import (
     NAME_MAX,
     IdError,
     check_name,
@@ -27,7 +27,7 @@ from shared.identity import (
     split_job_id,
     stable_id,
 )
-from shared.logs import JsonFormatter, RedactFilter, TextFormatter, escape, safe
+from budgetq.shared.logs import JsonFormatter, RedactFilter, TextFormatter, escape, safe
 
 # Any code point, surrogates included (json.loads accepts "\ud800").
 ANY_TEXT = st.text(st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), min_size=1,

@@ -14,19 +14,19 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import budget, jobs, keys
-from shared.config import DatasetConfig
-from shared.errors import FatalRequestError
-from shared.jobs import Skip
-from shared.schema import JobPayload, Message, SamplingParams
-from shared.scripts import Batcher
-from worker.context import JobContext, Slots
-from worker.control import Control
-from worker.estimator import LengthModel
-from worker.jobflow import run_job
-from worker.recorder import Recorder
-from worker.sglang_wire import Completion
-from worker.tracked import Abort, Phase, Tracked
+from budgetq.shared import budget, jobs, keys
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.errors import FatalRequestError
+from budgetq.shared.jobs import Skip
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.shared.scripts import Batcher
+from budgetq.worker.context import JobContext, Slots
+from budgetq.worker.control import Control
+from budgetq.worker.estimator import LengthModel
+from budgetq.worker.jobflow import run_job
+from budgetq.worker.recorder import Recorder
+from budgetq.worker.sglang_wire import Completion
+from budgetq.worker.tracked import Abort, Phase, Tracked
 
 
 class FakeClient:
@@ -51,7 +51,7 @@ def _enqueue(conn, payloads: list[dict]) -> None:
                                                 prior_mean_tokens=10))
     q = Queue(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
     for i, p in enumerate(payloads):
-        q.enqueue("worker.job.run_prompt", p, job_id=f"D-p{i}")
+        q.enqueue("budgetq.worker.job.run_prompt", p, job_id=f"D-p{i}")
 
 
 def _payload(i: int) -> dict:

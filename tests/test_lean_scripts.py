@@ -10,17 +10,17 @@ from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import budget, keys
-from shared.budget import Outcome, dataset_state, register_dataset
-from shared.config import DatasetConfig
-from shared.jobs import JobEnd, ResultStatus, claim, finish
-from shared.scripts import run
+from budgetq.shared import budget, keys
+from budgetq.shared.budget import Outcome, dataset_state, register_dataset
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.jobs import JobEnd, ResultStatus, claim, finish
+from budgetq.shared.scripts import run
 
 
 def _queue(conn, n: int) -> Queue:
     q = Queue(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
     for i in range(n):
-        q.enqueue("worker.job.run_prompt", {"id": f"p{i}"}, job_id=f"D-p{i}")
+        q.enqueue("budgetq.worker.job.run_prompt", {"id": f"p{i}"}, job_id=f"D-p{i}")
     return q
 
 

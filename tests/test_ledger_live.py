@@ -8,7 +8,7 @@ import json
 import re
 import subprocess
 
-from shared import keys
+from budgetq.shared import keys
 from tests.helpers import PY, ROOT, Procs, rows, wait_for, write_config, write_dataset
 
 N = 150

@@ -26,15 +26,15 @@ import redis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from producer.run import Producer
-from shared import budget, control, jobs, keys
-from shared.budget import Admission, Outcome, Released
-from shared.config import Config
-from shared.identity import job_id
-from shared.jobs import Claimed, Ending, JobEnd, ResultStatus, Skip
-from shared.ledger import STATES, read_ledger
-from shared.maintenance import Maintenance
-from shared.scripts import run
+from budgetq.producer.run.producer import Producer
+from budgetq.shared import budget, control, jobs, keys
+from budgetq.shared.budget import Admission, Outcome, Released
+from budgetq.shared.config import Config
+from budgetq.shared.identity import job_id
+from budgetq.shared.jobs import Claimed, Ending, JobEnd, ResultStatus, Skip
+from budgetq.shared.ledger import STATES, read_ledger
+from budgetq.shared.maintenance import Maintenance
+from budgetq.shared.scripts import run
 from tests.helpers import rows, write_dataset
 
 DS = "L"

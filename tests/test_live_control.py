@@ -6,8 +6,8 @@ import statistics
 import subprocess
 import time
 
-from shared import keys
-from shared.budget import dataset_state
+from budgetq.shared import keys
+from budgetq.shared.budget import dataset_state
 from tests.helpers import (
     PY,
     ROOT,

@@ -24,8 +24,8 @@ import pytest
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import keys
-from simulator.local import free_port
+from budgetq.shared import keys
+from budgetq.simulator.local import free_port
 from tests.helpers import check_invariants, rows, run_to_completion, write_config, write_dataset
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

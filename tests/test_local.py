@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 import redis
 
-from shared.errors import BudgetqError
-from simulator.local import LocalRedis, LocalSim, wait_http
+from budgetq.shared.errors import BudgetqError
+from budgetq.simulator.local import LocalRedis, LocalSim, wait_http
 
 
 def _requests(url: str) -> list:

@@ -14,11 +14,11 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import budget, jobs, keys
-from shared.budget import Admission, Outcome, register_dataset
-from shared.config import DatasetConfig
-from shared.jobs import JobEnd, ResultStatus, Skip
-from shared.scripts import run, run_many
+from budgetq.shared import budget, jobs, keys
+from budgetq.shared.budget import Admission, Outcome, register_dataset
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.jobs import JobEnd, ResultStatus, Skip
+from budgetq.shared.scripts import run, run_many
 
 
 def _register(conn, name: str, **kw) -> None:
@@ -126,7 +126,7 @@ def test_run_many_merges_only_when_asked_and_keeps_each_reply_in_place(conn):
 def _enqueue(conn, n: int, result_ttl: int) -> Queue:
     q = Queue(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
     for i in range(n):
-        q.enqueue("worker.job.run_prompt", {"id": f"p{i}"}, job_id=f"D-p{i}", result_ttl=result_ttl,
+        q.enqueue("budgetq.worker.job.run_prompt", {"id": f"p{i}"}, job_id=f"D-p{i}", result_ttl=result_ttl,
                   failure_ttl=jobs.KEEP_S)
     return q
 

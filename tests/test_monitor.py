@@ -12,14 +12,14 @@ from html.parser import HTMLParser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer.monitor import MonitorThread, check_bind
-from shared import budget, keys
-from shared.budget import register_dataset
-from shared.config import Config, DatasetConfig, MonitorConfig
-from shared.errors import ConfigError
-from shared.scripts import run as run_script
-from shared.status import COUNT_FIELDS
-from simulator.local import free_port, wait_http
+from budgetq.producer.ops.monitor import MonitorThread, check_bind
+from budgetq.shared import budget, keys
+from budgetq.shared.budget import register_dataset
+from budgetq.shared.config import Config, DatasetConfig, MonitorConfig
+from budgetq.shared.errors import ConfigError
+from budgetq.shared.scripts import run as run_script
+from budgetq.shared.status import COUNT_FIELDS
+from budgetq.simulator.local import free_port, wait_http
 from tests.helpers import CLI, LIVE, ROOT, http_get, live_run, rows, three_datasets, write_config
 
 

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from producer.collector import Collector
-from shared import budget, keys
-from shared.budget import Admission
-from shared.config import DatasetConfig, load_config
-from shared.errors import BudgetqError
-from shared.scripts import run
+from budgetq.producer.run.collector import Collector
+from budgetq.shared import budget, keys
+from budgetq.shared.budget import Admission
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.config_load import load_config
+from budgetq.shared.errors import BudgetqError
+from budgetq.shared.scripts import run
 from tests.helpers import CLI, ROOT, check_invariants, rows, wait_for, write_config, write_dataset
 
 HELD = "admissions held"
@@ -123,7 +124,7 @@ def test_collector_on_a_full_tmpfs_keeps_results_in_redis(volume, conn):
 # -- the guard: low space holds admissions, in the producer and in reserve.lua ---------------------------
 
 def test_guard_holds_below_min_free_and_reserve_answers_paused(volume, conn, caplog):
-    from producer.disk_guard import OutputGuard
+    from budgetq.producer.run.disk_guard import OutputGuard
 
     vol = volume("8m")
     ds = DatasetConfig.model_validate({"name": "A", "path": "x.jsonl", "budget": 10_000})
@@ -149,7 +150,7 @@ def test_guard_holds_below_min_free_and_reserve_answers_paused(volume, conn, cap
 # -- before anything is written to Redis ------------------------------------------------------------------
 
 def test_preflight_names_the_directory_and_the_reason(tmp_path):
-    from producer.disk_guard import preflight
+    from budgetq.producer.run.disk_guard import preflight
 
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -305,7 +306,7 @@ def test_results_left_in_redis_are_written_by_the_next_start(tmp_path, volume, r
         col.drain()
     conn.hset(keys.conf_key("A"), "hold", "disk full")   # as the stopped producer left it
     filler.unlink()
-    from producer.run import Producer
+    from budgetq.producer.run.producer import Producer
 
     p = Producer(conf)
     assert conn.hget(keys.conf_key("A"), "hold") is None, "a new start ends the old hold"

@@ -57,10 +57,30 @@ def installed(wheel, tmp_path_factory) -> Path:
 def test_the_wheel_ships_the_demo_config_datasets_lua_and_static_files(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("budgetq/examples/demo.yaml", "budgetq/examples/budgetq.yaml", "budgetq/examples/data/a1.jsonl",
-                 "budgetq/examples/data/b2.jsonl", "budgetq/examples/data/c1.jsonl", "shared/lua/reserve.lua",
-                 "producer/static/monitor.html"):
+                 "budgetq/examples/data/b2.jsonl", "budgetq/examples/data/c1.jsonl", "budgetq/shared/lua/reserve.lua",
+                 "budgetq/producer/ops/static/monitor.html"):
         assert path in names, path
     assert not any(n.startswith(("examples/", "tests/")) for n in names)
+
+
+def test_the_wheel_installs_one_name_budgetq_and_the_console_script(wheel, installed, tmp_path):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"budgetq", wheel.name.split("-py3")[0] + ".dist-info"}
+    for room in ("shared", "producer", "producer/reading", "producer/run", "producer/ops", "worker", "simulator",
+                 "hidden_states", "hidden_states/collect", "hidden_states/capture", "hidden_states/store", "cli"):
+        assert f"budgetq/{room}/__init__.py" in names, room
+    purelib = Path(subprocess.run([str(installed / "bin" / "python"), "-c",
+                                   "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    ours = {p.name for p in purelib.iterdir()} - {"budgetq_test_deps.pth"}
+    assert {n for n in ours if not n.endswith(".dist-info")} == {"budgetq"}, ours
+    assert sorted(p.name for p in (installed / "bin").iterdir() if p.name.startswith("budgetq")) == ["budgetq"]
+    # the generic names are not importable from the wheel (a checkout on sys.path would hide that)
+    probe = ("import importlib.util as u; import budgetq.shared.keys, budgetq.worker.job, budgetq.producer.run.producer;"
+             " print([n for n in ('shared', 'producer', 'worker', 'simulator', 'hidden_states') if u.find_spec(n)])")
+    out = subprocess.run([str(installed / "bin" / "python"), "-c", probe], cwd=tmp_path, capture_output=True,
+                         text=True, env=_clean_env(), check=True).stdout.strip()
+    assert out == "[]", out
 
 
 def _clean_env() -> dict[str, str]:

@@ -8,12 +8,13 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from producer.metrics import render
-from shared.config import ServerConfig, load_config
-from shared.schema import JobPayload, Message, SamplingParams
-from shared.status import snapshot
+from budgetq.producer.ops.metrics import render
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.config_load import load_config
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.shared.status import snapshot
+from budgetq.worker.endpoints import EndpointPool, routing_key
 from tests.helpers import Procs, rows, sim_get, wait_for, write_config
-from worker.endpoints import EndpointPool, routing_key
 
 URLS = [f"http://10.0.0.{i}:30000" for i in range(1, 5)]
 

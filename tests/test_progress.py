@@ -6,12 +6,12 @@ import io
 import json
 import logging
 
-from producer.progress import ProgressReporter
-from shared import budget
-from shared.budget import register_dataset
-from shared.config import Config, DatasetConfig
-from shared.logs import JsonFormatter
-from shared.scripts import run as run_script
+from budgetq.producer.run.progress import ProgressReporter
+from budgetq.shared import budget
+from budgetq.shared.budget import register_dataset
+from budgetq.shared.config import Config, DatasetConfig
+from budgetq.shared.logs import JsonFormatter
+from budgetq.shared.scripts import run as run_script
 
 
 def _cfg(redis_url: str, progress: str, interval: float = 10.0) -> Config:

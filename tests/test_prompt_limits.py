@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import yaml
 from tiny_tokenizer import make_tiny_tokenizer
 
-from budgetq.cli_common import discover_context
-from producer.reader import Invalid, Prompt, read_prompts
-from shared import keys
-from shared.config import Config, DatasetConfig, ServerConfig
+from budgetq.cli.common import discover_context
+from budgetq.producer.reading.reader import Invalid, Prompt, read_prompts
+from budgetq.shared import keys
+from budgetq.shared.config import Config, DatasetConfig, ServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,21 +20,21 @@ from aiohttp import web
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from producer.check import CheckReport, RedisCheck, check_dataset, format_report
-from producer.mapping import row_to_messages, split_turns
-from shared import budget, keys
-from shared.config import Config, DatasetConfig, ServerConfig
-from shared.identity import job_id
-from shared.redis_conn import aconnect
-from shared.schema import JobPayload, Message, SamplingParams
-from shared.scripts import run
-from simulator.local import free_port
+from budgetq.producer.ops.check import CheckReport, RedisCheck, check_dataset, format_report
+from budgetq.producer.reading.mapping import row_to_messages, split_turns
+from budgetq.shared import budget, keys
+from budgetq.shared.config import Config, DatasetConfig, ServerConfig
+from budgetq.shared.identity import job_id
+from budgetq.shared.redis_conn import aconnect
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.shared.scripts import run
+from budgetq.simulator.local import free_port
+from budgetq.worker import turns
+from budgetq.worker.process import build_row, run_one
+from budgetq.worker.sglang_client import SGLangClient
+from budgetq.worker.sglang_wire import attempt_rid, job_id_of_rid
 from tests.helpers import Procs, check_invariants, holders, rows, run_to_completion, sim_get, wait_for, write_config
 from tests.tiny_tokenizer import make_tiny_tokenizer
-from worker import turns
-from worker.process import build_row, run_one
-from worker.sglang_client import SGLangClient
-from worker.sglang_wire import attempt_rid, job_id_of_rid
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 

@@ -10,8 +10,8 @@ import pytest
 import redis
 from rq.registry import FailedJobRegistry
 
-from shared import jobs, keys
-from simulator.local import LocalRedis, LocalSim, free_port
+from budgetq.shared import jobs, keys
+from budgetq.simulator.local import LocalRedis, LocalSim, free_port
 from tests.helpers import Procs, check_invariants, holders, sim_get, wait_for, write_config, write_dataset
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
@@ -253,10 +253,10 @@ def test_killed_producer_restarts_and_generates_nothing_twice(tmp_path, redis_ur
 
 @pytest.mark.parametrize("crash_after_fsync", [True])
 def test_collector_that_died_before_saving_its_cursor_writes_no_row_twice(tmp_path, conn, crash_after_fsync):
-    from producer.collector import Collector
-    from shared import budget
-    from shared.config import DatasetConfig
-    from shared.scripts import run
+    from budgetq.producer.run.collector import Collector
+    from budgetq.shared import budget
+    from budgetq.shared.config import DatasetConfig
+    from budgetq.shared.scripts import run
 
     budget.register_dataset(conn, DatasetConfig(name="D", path="x", budget="1M"))
     for i in range(5):

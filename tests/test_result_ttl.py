@@ -8,8 +8,8 @@ import json
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import jobs, keys
-from shared.identity import job_id
+from budgetq.shared import jobs, keys
+from budgetq.shared.identity import job_id
 from tests.helpers import check_invariants, live_run, rows, write_config
 
 

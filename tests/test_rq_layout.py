@@ -9,16 +9,16 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import jobs, keys
-from shared.jobs import JobEnd, ResultStatus, Skip
-from shared.scripts import run
-from shared.stats import Stat
+from budgetq.shared import jobs, keys
+from budgetq.shared.jobs import JobEnd, ResultStatus, Skip
+from budgetq.shared.scripts import run
+from budgetq.shared.stats import Stat
 
 
 def _setup(conn, n=3):
     q = Queue(keys.queue_name("D"), connection=conn, serializer=JSONSerializer)
     for i in range(n):
-        q.enqueue("worker.job.run_prompt", {"id": f"p{i}", "n": i}, job_id=f"D-p{i}")
+        q.enqueue("budgetq.worker.job.run_prompt", {"id": f"p{i}", "n": i}, job_id=f"D-p{i}")
     return q
 
 

@@ -17,8 +17,8 @@ import zlib
 import pytest
 import redis
 
-from shared import logs
-from simulator.local import free_port, wait_http
+from budgetq.shared import logs
+from budgetq.simulator.local import free_port, wait_http
 from tests.helpers import CLI, LIVE, ROOT, http_get, live_run, three_datasets, write_config
 
 
@@ -176,11 +176,11 @@ def test_redact_helpers():
 
 def test_status_and_monitor_need_only_read_access(secure_redis):
     """Both only read: a Redis ACL user limited to read commands on bq:* and rq:* keys is enough."""
-    from producer.monitor import MonitorThread
-    from shared import budget
-    from shared.budget import register_dataset
-    from shared.config import Config, DatasetConfig
-    from shared.scripts import run
+    from budgetq.producer.ops.monitor import MonitorThread
+    from budgetq.shared import budget
+    from budgetq.shared.budget import register_dataset
+    from budgetq.shared.config import Config, DatasetConfig
+    from budgetq.shared.scripts import run
 
     admin = secure_redis["admin"]
     admin.flushall()

@@ -12,14 +12,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from shared import keys, server_faults
-from shared.config import ServerConfig
-from shared.errors import FatalRequestError, RetryableRequestError
-from shared.schema import JobPayload, Message, SamplingParams
-from simulator.local import free_port
+from budgetq.shared import keys, server_faults
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.errors import FatalRequestError, RetryableRequestError
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.simulator.local import free_port
+from budgetq.worker.sglang_client import SGLangClient
+from budgetq.worker.sglang_wire import build_request, invalid_request
 from tests.helpers import PY, ROOT, Procs, rows, wait_for, write_config, write_dataset
-from worker.sglang_client import SGLangClient
-from worker.sglang_wire import build_request, invalid_request
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 # What llama-cpp-python 0.3.36's server answers to ``top_k: -1`` (seen from the real server: its

@@ -15,13 +15,13 @@ import json
 
 import pytest
 
-from shared.config import ServerConfig
-from shared.schema import JobPayload, Message, SamplingParams
-from shared.sglang_names import CHAT_REQUEST_KEYS, GENERATE_CONTRACT_SAMPLING_KEYS, GENERATE_SAMPLING_KEYS
-from simulator import sampling as sim_sampling
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.shared.sglang_names import CHAT_REQUEST_KEYS, GENERATE_CONTRACT_SAMPLING_KEYS, GENERATE_SAMPLING_KEYS
+from budgetq.simulator import sampling as sim_sampling
+from budgetq.worker.sglang_wire import build_request
 from tests import sglang_contract as sc
 from tests.test_simulator import CHAT, MSGS, post, run_sim, sse, until
-from worker.sglang_wire import build_request
 
 # --- name sets ------------------------------------------------------------------------------------
 
@@ -200,8 +200,8 @@ def test_the_simulators_chat_route_refuses_what_sglangs_chat_refuses(params):
 @pytest.mark.parametrize("value", ["last", "all", 1, 0.5, {"a": 1}, [1], [True, "last"], [True, False], True, None])
 def test_the_simulators_return_hidden_states_gate_is_sglangs(value):
     """/generate's JSON contract gate takes a boolean or a list of booleans only: "last" is refused."""
-    from simulator import hidden
-    from simulator.runner import BadRequest
+    from budgetq.simulator import hidden
+    from budgetq.simulator.runner import BadRequest
 
     try:
         sc.SGL.api_types.GenerateRequest.from_json_value({"text": "x", "return_hidden_states": value})

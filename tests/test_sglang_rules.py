@@ -18,14 +18,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from shared import keys
-from shared.config import ServerConfig, load_config
-from shared.errors import FatalRequestError, RetryableRequestError
-from shared.sampling import NEUTRAL, generation_defaults, resolve, resolve_datasets
-from shared.schema import JobPayload, Message, SamplingParams
-from simulator.local import free_port
-from worker.sglang_client import SGLangClient
-from worker.sglang_wire import attempt_rid, build_request, job_id_of_rid
+from budgetq.shared import keys
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.config_load import load_config
+from budgetq.shared.errors import FatalRequestError, RetryableRequestError
+from budgetq.shared.sampling import NEUTRAL, generation_defaults, resolve, resolve_datasets
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.simulator.local import free_port
+from budgetq.worker.sglang_client import SGLangClient
+from budgetq.worker.sglang_wire import attempt_rid, build_request, job_id_of_rid
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DUP = "Duplicate request ID detected: {}"
@@ -260,7 +261,7 @@ def test_unset_sampling_comes_from_the_models_generation_config_in_both_modes(tm
     ("chat", {"n": 2}, "n must stay 1"),
 ])
 def test_sampling_extra_is_checked_against_the_apis_names(tmp_path, api, extra, message):
-    from shared.errors import ConfigError
+    from budgetq.shared.errors import ConfigError
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"server": {"api": api, "tokenizer": "t"}, "datasets": [
@@ -324,14 +325,14 @@ def test_a_run_with_dropped_connections_and_held_rids_loses_nothing(tmp_path, re
 def test_the_names_module_and_the_pinned_wheel_name_the_same_sglang_version():
     from pathlib import Path
 
-    from shared.sglang_names import SGLANG_VERSION
+    from budgetq.shared.sglang_names import SGLANG_VERSION
 
     pinned = (Path(__file__).parent / "SGLANG_VERSION").read_text().strip()
     assert SGLANG_VERSION == pinned
 
 
 def test_every_attempt_of_a_job_gets_the_same_simulated_length():
-    from simulator.lengths import LengthModel, draw_key
+    from budgetq.simulator.lengths import LengthModel, draw_key
 
     model = LengthModel(7, 1500, 0.8)
     rids = [attempt_rid("D--p1") for _ in range(5)]

@@ -4,7 +4,7 @@ chat usage.prompt_tokens_details.cached_tokens only with --enable-cache-report
 
 from __future__ import annotations
 
-from simulator.prefix_cache import CHUNK_TOKENS, PrefixCache
+from budgetq.simulator.prefix_cache import CHUNK_TOKENS, PrefixCache
 from tests.test_simulator import CHAT, get, post, run_sim
 
 SYSTEM = "You are a careful assistant. " * 40    # 1,160 characters: 18 whole chunks of 64

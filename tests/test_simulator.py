@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from simulator.lengths import LengthModel
-from simulator.model import SimSettings
-from simulator.server import start_sim
+from budgetq.simulator.lengths import LengthModel
+from budgetq.simulator.model import SimSettings
+from budgetq.simulator.server import start_sim
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hello there, how are you"}]
@@ -328,7 +328,7 @@ def test_capacity_saturates_and_the_rest_queue_fifo():
 
 
 def test_rate_per_request_falls_as_the_batch_grows_while_throughput_saturates():
-    from simulator.model import Engine
+    from budgetq.simulator.model import Engine
 
     e = Engine(SimSettings(peak_tok_s=1000, half_batch=10))
     per_req = [e.rate_per_request(b) for b in (1, 10, 100, 1000)]

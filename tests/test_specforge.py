@@ -16,15 +16,20 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from budgetq.cli import main
-from producer.conversations import normalise, specforge_problem, template_default_system, with_template_system
-from producer.export import export_specforge
-from shared.identity import job_id
-from shared.schema import Message
+from budgetq.cli.main import main
+from budgetq.producer.ops.export import export_specforge
+from budgetq.producer.reading.conversations import (
+    normalise,
+    specforge_problem,
+    template_default_system,
+    with_template_system,
+)
+from budgetq.shared.identity import job_id
+from budgetq.shared.schema import Message
+from budgetq.worker.sglang_wire import job_id_of_rid
 from tests.helpers import PY, ROOT, rows, sim_get, write_config
 from tests.specforge_helper import SpecForgeUnavailable, load_specforge, numpy_tensors, validate_row
 from tests.tiny_tokenizer import CHAT_TEMPLATE, make_tiny_tokenizer
-from worker.sglang_wire import job_id_of_rid
 
 DEFAULT_SYSTEM = "you are a helpful assistant ."
 # Qwen2.5-like: its own default system prompt when the conversation has none; Qwen3-like:

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from shared import budget, jobs
-from shared.config import DatasetConfig
-from shared.stats import ENDING_STATS, REOPEN_STATS, REQUEUE_STATS, Conf, Stat
+from budgetq.shared import budget, jobs
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.stats import ENDING_STATS, REOPEN_STATS, REQUEUE_STATS, Conf, Stat
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = sorted((ROOT / "shared" / "lua").glob("*.lua"))
 WRITES = {"HINCRBY", "HSET", "HSETNX", "HDEL", "HINCRBYFLOAT"}
 READS = {"HGET", "HMGET"}
 # Counted from Python, not by any script: retries (worker/recorder.py), invalid, filtered and
-# enqueued rows (producer/run.py), AbandonedJobError recoveries (maintenance).
+# enqueued rows (producer/run/producer.py), AbandonedJobError recoveries (maintenance).
 PYTHON_STATS = {Stat.RETRIED, Stat.INVALID, Stat.RECOVERED, Stat.ENQUEUED, Stat.FILTERED}
 # Conf fields no script reads: bookkeeping for status and the producer.
 PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD, Conf.SOURCE_ENDED}

@@ -14,13 +14,13 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from shared import budget as bq_budget
-from shared import keys
-from shared.budget import register_dataset
-from shared.config import DatasetConfig
-from shared.scripts import run as run_script
-from shared.status import COUNT_FIELDS, snapshot
-from simulator.local import free_port
+from budgetq.shared import budget as bq_budget
+from budgetq.shared import keys
+from budgetq.shared.budget import register_dataset
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.scripts import run as run_script
+from budgetq.shared.status import COUNT_FIELDS, snapshot
+from budgetq.simulator.local import free_port
 from tests.helpers import CLI, LIVE, ROOT, live_run, rows, three_datasets, write_config
 
 
@@ -54,7 +54,7 @@ def _seed(conn) -> float:
     conn.hset(keys.stats_key("A1"), mapping={"skipped": 4, "invalid": 2, "generated_tokens": 900, "wasted_tokens": 100})
     q = Queue(keys.queue_name("A1"), connection=conn, serializer=JSONSerializer)
     for i in range(3):
-        q.enqueue("worker.job.run_prompt", {"id": f"q{i}"}, job_id=f"A1-q{i}")
+        q.enqueue("budgetq.worker.job.run_prompt", {"id": f"q{i}"}, job_id=f"A1-q{i}")
     conn.zadd(FailedJobRegistry(keys.queue_name("A1"), connection=conn).key, {"A1-bad": now + 86400})
     bucket = now // keys.RATE_BUCKET_S * keys.RATE_BUCKET_S
     # commit.lua wrote the current bucket; replace the rate history with a known one

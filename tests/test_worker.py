@@ -14,11 +14,12 @@ import yaml
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from shared import keys
-from shared.budget import dataset_state, register_dataset
-from shared.config import DatasetConfig, load_config
-from shared.schema import JobPayload, Message, SamplingParams
-from worker.runner import ConcurrentWorker
+from budgetq.shared import keys
+from budgetq.shared.budget import dataset_state, register_dataset
+from budgetq.shared.config import DatasetConfig
+from budgetq.shared.config_load import load_config
+from budgetq.shared.schema import JobPayload, Message, SamplingParams
+from budgetq.worker.runner import ConcurrentWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +31,7 @@ def _enqueue(conn, n: int, ds: str = "D", budget: int = 10**9) -> None:
     for i in range(n):
         p = JobPayload(id=f"p{i}", dataset=ds, messages=[Message(role="user", content=f"q{i}")],
                        sampling=SamplingParams(max_tokens=4000))
-        q.enqueue("worker.job.run_prompt", p.model_dump(mode="json"), job_id=f"{ds}-p{i}")
+        q.enqueue("budgetq.worker.job.run_prompt", p.model_dump(mode="json"), job_id=f"{ds}-p{i}")
 
 
 def _cfg(tmp_path, redis_url, sim, **extra) -> Path:

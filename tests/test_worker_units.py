@@ -13,15 +13,15 @@ import pytest
 import redis.asyncio as aredis
 from aiohttp import web
 
-from shared import budget, keys
-from shared.budget import Admission, Released
-from shared.config import DatasetConfig, ServerConfig
-from shared.errors import AbortedResponseError, BadResponseError, FatalRequestError
-from shared.maintenance import Maintenance, Report
-from shared.scripts import Batcher, ScriptCall, run
-from simulator.local import free_port
-from worker.endpoints import EndpointPool
-from worker.sglang_wire import parse_response
+from budgetq.shared import budget, keys
+from budgetq.shared.budget import Admission, Released
+from budgetq.shared.config import DatasetConfig, ServerConfig
+from budgetq.shared.errors import AbortedResponseError, BadResponseError, FatalRequestError
+from budgetq.shared.maintenance import Maintenance, Report
+from budgetq.shared.scripts import Batcher, ScriptCall, run
+from budgetq.simulator.local import free_port
+from budgetq.worker.endpoints import EndpointPool
+from budgetq.worker.sglang_wire import parse_response
 
 
 def _register(conn, ds: str = "D", limit: int = 10**6) -> None:
@@ -282,7 +282,7 @@ def test_leak_candidates_are_forgotten_once_nothing_is_reserved(conn):
 
 
 def test_slots_resize_grows_at_once_and_shrinks_as_held_slots_come_back():
-    from worker.context import Slots
+    from budgetq.worker.context import Slots
 
     async def scenario() -> None:
         slots = Slots(2)

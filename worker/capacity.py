@@ -35,10 +35,10 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aredis
 
-from shared import keys
-from shared.redis_conn import text
-from worker.context import Slots
-from worker.endpoints import Endpoint, EndpointPool
+from budgetq.shared import keys
+from budgetq.shared.redis_conn import text
+from budgetq.worker.context import Slots
+from budgetq.worker.endpoints import Endpoint, EndpointPool
 
 log = logging.getLogger("budgetq.capacity")
 START = 8                       # per endpoint, until its server has been read

@@ -7,12 +7,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.scripts import Batcher
-from worker.control import Control
-from worker.estimator import LengthModel
-from worker.recorder import Recorder
-from worker.sglang_client import SGLangClient
-from worker.tracked import JobTable
+from budgetq.shared.scripts import Batcher
+from budgetq.worker.control import Control
+from budgetq.worker.estimator import LengthModel
+from budgetq.worker.recorder import Recorder
+from budgetq.worker.sglang_client import SGLangClient
+from budgetq.worker.tracked import JobTable
 
 
 class Slots(asyncio.Semaphore):

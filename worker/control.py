@@ -15,12 +15,12 @@ import time
 
 import redis.asyncio as aredis
 
-from shared import budget, keys
-from shared.budget import DatasetState
-from shared.redis_conn import text
-from shared.scripts import Batcher
-from worker.estimator import LengthModel
-from worker.tracked import Abort, JobTable, Phase, Tracked
+from budgetq.shared import budget, keys
+from budgetq.shared.budget import DatasetState
+from budgetq.shared.redis_conn import text
+from budgetq.shared.scripts import Batcher
+from budgetq.worker.estimator import LengthModel
+from budgetq.worker.tracked import Abort, JobTable, Phase, Tracked
 
 log = logging.getLogger("budgetq.worker")
 # Only refine reservations once this many lengths are known for a dataset.

@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from shared import server_faults
-from shared.config import ServerConfig
-from shared.schema import JobPayload
+from budgetq.shared import server_faults
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.endpoints")
 _SLACK = 2   # requests an endpoint may hold over prefix_balance x the least-loaded one's

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared import keys
+from budgetq.shared import keys
 
 # Bins of the histogram (commit.lua): width = max_tokens // BINS; a response cut at max_tokens
 # lands in bin BINS (the cap's point mass).

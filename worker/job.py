@@ -12,11 +12,11 @@ import os
 import aiohttp
 from rq import get_current_job
 
-from shared.config import load_config
-from shared.redis_conn import aconnect
-from shared.schema import JobPayload
-from worker.process import run_one
-from worker.sglang_client import SGLangClient
+from budgetq.shared.config_load import load_config
+from budgetq.shared.redis_conn import aconnect
+from budgetq.shared.schema import JobPayload
+from budgetq.worker.process import run_one
+from budgetq.worker.sglang_client import SGLangClient
 
 
 def run_prompt(payload: dict) -> dict:

@@ -16,16 +16,16 @@ import asyncio
 import logging
 import time
 
-from shared import budget, jobs
-from shared.budget import Admission, Outcome, Released, Reservation
-from shared.errors import BadResponseError, FatalRequestError, RetryableRequestError
-from shared.jobs import JobEnd, ResultStatus, Skip
-from shared.retry import retry_redis
-from shared.schema import JobPayload
-from worker import turns  # regenerate: all: a job may send one request per user turn
-from worker.context import JobContext
-from worker.process import build_row, estimate_prompt_tokens
-from worker.tracked import Abort, Phase, Tracked
+from budgetq.shared import budget, jobs
+from budgetq.shared.budget import Admission, Outcome, Released, Reservation
+from budgetq.shared.errors import BadResponseError, FatalRequestError, RetryableRequestError
+from budgetq.shared.jobs import JobEnd, ResultStatus, Skip
+from budgetq.shared.retry import retry_redis
+from budgetq.shared.schema import JobPayload
+from budgetq.worker import turns  # regenerate: all: a job may send one request per user turn
+from budgetq.worker.context import JobContext
+from budgetq.worker.process import build_row, estimate_prompt_tokens
+from budgetq.worker.tracked import Abort, Phase, Tracked
 
 log = logging.getLogger("budgetq.worker")
 # What a kept result is recorded as (RQ's return value), by what commit did with it.

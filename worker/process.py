@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from shared import budget
-from shared.budget import Admission
-from shared.identity import id_text
-from shared.jobs import ResultStatus
-from shared.schema import JobPayload, Message, ResultRow
-from shared.scripts import arun
-from worker import turns
-from worker.sglang_client import SGLangClient
-from worker.sglang_wire import Completion, split_thinking
+from budgetq.shared import budget
+from budgetq.shared.budget import Admission
+from budgetq.shared.identity import id_text
+from budgetq.shared.jobs import ResultStatus
+from budgetq.shared.schema import JobPayload, Message, ResultRow
+from budgetq.shared.scripts import arun
+from budgetq.worker import turns
+from budgetq.worker.sglang_client import SGLangClient
+from budgetq.worker.sglang_wire import Completion, split_thinking
 
 # How long the one-at-a-time path waits before asking again when the budget may fit later.
 WAIT_POLL_S = 0.05
@@ -61,7 +61,7 @@ def estimate_prompt_tokens(payload: JobPayload) -> int:
     """Prompt tokens for count=total reservations: exact when the producer tokenized it.
 
     With turns: summed over the requests, each without the answers before it (reserve.lua
-    adds an allowance per earlier answer), the producer's own definition (producer/tokenize.py).
+    adds an allowance per earlier answer), the producer's own definition (producer/reading/tokenize.py).
     """
     if payload.prompt_tokens is not None:
         return payload.prompt_tokens

@@ -10,12 +10,12 @@ from collections import Counter
 
 import redis.asyncio as aredis
 
-from shared import jobs, keys
-from shared.jobs import JobEnd
-from shared.retry import retry_redis
-from shared.scripts import Batcher
-from shared.stats import Stat
-from worker.tracked import Tracked
+from budgetq.shared import jobs, keys
+from budgetq.shared.jobs import JobEnd
+from budgetq.shared.retry import retry_redis
+from budgetq.shared.scripts import Batcher
+from budgetq.shared.stats import Stat
+from budgetq.worker.tracked import Tracked
 
 
 class Recorder:

@@ -10,7 +10,7 @@ from rq import Queue, Worker
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from shared import keys
+from budgetq.shared import keys
 
 
 class _Worker(Worker):

@@ -28,23 +28,23 @@ import aiohttp
 import redis.asyncio as aredis
 from rq import Worker
 
-from shared import jobs, keys, server_faults
-from shared.config import Config
-from shared.errors import BudgetqError
-from shared.maintenance import Maintenance
-from shared.redis_conn import aconnect, await_ready, connect, explain
-from shared.retry import REDIS_DOWN, retry_redis
-from shared.scripts import Batcher
-from shared.stats import Stat
-from worker import rq_adapter
-from worker.capacity import START, Capacity
-from worker.context import JobContext, Slots
-from worker.control import Control
-from worker.estimator import LengthModel
-from worker.jobflow import run_job
-from worker.recorder import Recorder
-from worker.sglang_client import SGLangClient
-from worker.tracked import Abort, JobTable, Phase, Tracked
+from budgetq.shared import jobs, keys, server_faults
+from budgetq.shared.config import Config
+from budgetq.shared.errors import BudgetqError
+from budgetq.shared.maintenance import Maintenance
+from budgetq.shared.redis_conn import aconnect, await_ready, connect, explain
+from budgetq.shared.retry import REDIS_DOWN, retry_redis
+from budgetq.shared.scripts import Batcher
+from budgetq.shared.stats import Stat
+from budgetq.worker import rq_adapter
+from budgetq.worker.capacity import START, Capacity
+from budgetq.worker.context import JobContext, Slots
+from budgetq.worker.control import Control
+from budgetq.worker.estimator import LengthModel
+from budgetq.worker.jobflow import run_job
+from budgetq.worker.recorder import Recorder
+from budgetq.worker.sglang_client import SGLangClient
+from budgetq.worker.tracked import Abort, JobTable, Phase, Tracked
 
 log = logging.getLogger("budgetq.worker")
 CLAIM_BATCH = 64
@@ -61,7 +61,7 @@ class ConcurrentWorker:
     def __init__(self, cfg: Config, concurrency: int | Literal["auto"], burst: bool = False,
                  grace_s: float | None = None) -> None:
         self.cfg = cfg
-        # concurrency auto (issue 18): sized from the servers by worker/capacity.py once running.
+        # concurrency auto: sized from the servers by worker/capacity.py once running.
         self.auto = concurrency == "auto"
         self.burst = burst
         self.grace_s = cfg.worker.grace_s if grace_s is None else grace_s

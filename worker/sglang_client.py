@@ -15,19 +15,19 @@ from typing import TypeVar
 
 import aiohttp
 
-from shared import server_faults
-from shared.config import ServerConfig
-from shared.errors import (
+from budgetq.shared import server_faults
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.errors import (
     AbortedResponseError,
     BadResponseError,
     DuplicateRidError,
     FatalRequestError,
     RetryableRequestError,
 )
-from shared.retry import backoff_s
-from shared.schema import JobPayload
-from worker.endpoints import Endpoint, EndpointPool, routing_key
-from worker.sglang_wire import (
+from budgetq.shared.retry import backoff_s
+from budgetq.shared.schema import JobPayload
+from budgetq.worker.endpoints import Endpoint, EndpointPool, routing_key
+from budgetq.worker.sglang_wire import (
     RETRYABLE_STATUS,
     Completion,
     RawResponse,
@@ -267,8 +267,8 @@ async def probe_server(server: ServerConfig, url: str, timeout_s: float = 5.0) -
 
 
 # ---------------------------------------------------------------------------------------------
-# Hidden states (issue 17): one prefill-only /generate per sample, through the same pool, retries
-# and aborts. Kept apart from the generation path above; worker/features.py is its only caller.
+# Hidden states: one prefill-only /generate per sample, through the same pool, retries
+# and aborts. Kept apart from the generation path above; hidden_states/capture/features_worker.py is its only caller.
 # ---------------------------------------------------------------------------------------------
 class HiddenStatesClient(SGLangClient):
     """The same client (endpoint pool, retries, rids, aborts) with one more request kind."""

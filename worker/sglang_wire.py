@@ -11,10 +11,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from shared.config import ServerConfig
-from shared.errors import AbortedResponseError, BadResponseError, FatalRequestError
-from shared.sampling import explicit
-from shared.schema import JobPayload
+from budgetq.shared.config import ServerConfig
+from budgetq.shared.errors import AbortedResponseError, BadResponseError, FatalRequestError
+from budgetq.shared.sampling import explicit
+from budgetq.shared.schema import JobPayload
 
 # HTTP statuses worth another attempt (the client retries them; an abort carrying one is retried too).
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -190,11 +190,11 @@ def parse_response(api: str, body: dict, url: str, started: float) -> Completion
     return out
 
 
-# Hidden states (issue 17): one prefill-only /generate per sample (worker/features.py).
+# Hidden states: one prefill-only /generate per sample (hidden_states/capture/features_worker.py).
 @dataclass(frozen=True)
 class RawResponse:
     """A /generate answer left as bytes: a hidden-state response is ~150 MB of JSON for 4k tokens
-    x 4096, parsed in a worker process (worker/hidden_decode.py), never on the event loop."""
+    x 4096, parsed in a worker process (hidden_states/capture/decode.py), never on the event loop."""
 
     body: bytes
     endpoint: str

@@ -8,8 +8,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.jobs import Claimed, Skip
-from shared.schema import JobPayload
+from budgetq.shared.jobs import Claimed, Skip
+from budgetq.shared.schema import JobPayload
 
 
 class Phase(enum.Enum):

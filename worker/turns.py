@@ -25,10 +25,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.chat_template import encode_chat, load_tokenizer
-from shared.schema import JobPayload, Message
-from worker.sglang_client import SGLangClient
-from worker.sglang_wire import Completion, split_thinking
+from budgetq.shared.chat_template import encode_chat, load_tokenizer
+from budgetq.shared.schema import JobPayload, Message
+from budgetq.worker.sglang_client import SGLangClient
+from budgetq.worker.sglang_wire import Completion, split_thinking
 
 
 @dataclass(frozen=True)

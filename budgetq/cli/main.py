@@ -1,0 +1,384 @@
+"""``budgetq`` subcommands. Parses flags, sets up logging, calls library functions.
+
+The run commands live here (produce, worker, budget, pause, resume, retry-failed,
+reconcile, demo); the other groups each have a module with a ``register(sub)`` function:
+cli_sim (sim), cli_ops (status, monitor), cli_data (export, check), cli_init (init).
+Conventions every command keeps (docs/cli.md): a bad flag or value is one line on stderr, exit
+status 2; a closed stdout (``| head``) ends the command quietly (status 141, like SIGPIPE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import redis
+
+from budgetq.cli import data as cli_data
+from budgetq.cli import features as cli_features
+from budgetq.cli import init as cli_init
+from budgetq.cli import ops as cli_ops
+from budgetq.cli import plan as cli_plan
+from budgetq.cli import sim as cli_sim
+from budgetq.cli.common import discover_context, load, open_redis, positive_int, seconds, stdout_console, with_config
+from budgetq.shared.config import Config
+from budgetq.shared.config_fields import positive_budget
+from budgetq.shared.errors import BudgetqError
+from budgetq.shared.logs import setup_logging
+from budgetq.shared.retry import REDIS_DOWN
+from budgetq.shared.tokens import format_tokens, parse_tokens
+
+log = logging.getLogger("budgetq.producer")
+# After a first SIGTERM/SIGINT the producer finishes its tick and writes what it collected;
+# if that cannot happen (Redis hung or down), it stops at once after this long, as on a second signal.
+PRODUCER_STOP_S = 15.0
+# Exit status after stdout was closed under us (`budgetq status --json | head`): the shell's for SIGPIPE.
+BROKEN_PIPE_STATUS = 141
+
+
+def print_summary(rows: list[dict]) -> None:
+    from rich.console import Console
+
+    from budgetq.cli.status_view import summary_table
+
+    # On a terminal at least 120 columns (the table scrolls rather than cutting names); off one
+    # (CI logs, `| tee`) as wide as the table is.
+    console = stdout_console()
+    (Console(width=max(120, console.width)) if console.is_terminal else console).print(summary_table(rows))
+
+
+def _empty_files(cfg: Config) -> set[str]:
+    """Datasets whose local file holds nothing but whitespace: warned about by name before the run."""
+    empty = set()
+    for ds in cfg.datasets:
+        path = Path(ds.path)
+        if "://" in ds.path or not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size == 0 or (size < 1 << 20 and not path.read_bytes().strip()):
+            log.warning("dataset %s: %s is empty: no prompts to send", ds.name, path)
+            empty.add(ds.name)
+    return empty
+
+
+def _warn_no_rows(cfg: Config, rows: list[dict], warned: set[str]) -> None:
+    for r in rows:
+        if r["dataset"] in warned or r["stop"] != "rows exhausted":
+            continue
+        if not (r["enqueued"] or r["rows"] or r["invalid"] or r["filtered"] or r["already_done"] or r["skipped"]
+                or r["failed"]):
+            log.warning("dataset %s: %s gave no rows", r["dataset"], cfg.dataset(r["dataset"]).path)
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    import signal
+
+    from budgetq.producer.run.producer import Producer
+    from budgetq.producer.run.progress import ProgressReporter
+
+    cfg = load(args)
+    if not cfg.datasets:
+        raise BudgetqError(f"no datasets in {args.config}" if args.config else
+                           "no datasets: pass a config with a datasets: list (-c CONFIG, or `budgetq init`)")
+    discover_context(cfg)
+    state: dict = {"stop": False, "producer": None}
+
+    def hard_stop(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def stop(signum: int, _frame: object) -> None:
+        # Everything lives in Redis and the output files: stopping loses nothing, a new
+        # `budgetq produce` continues. Finish writing what has been collected first; a
+        # second signal (or PRODUCER_STOP_S without an orderly end) stops at once.
+        if state["stop"]:
+            raise KeyboardInterrupt
+        state["stop"] = True
+        if state["producer"] is not None:
+            state["producer"].stop_requested = True
+        signal.signal(signal.SIGALRM, hard_stop)
+        signal.setitimer(signal.ITIMER_REAL, PRODUCER_STOP_S)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    warned = _empty_files(cfg)
+    if open_redis(cfg, "producer", cfg.redis_wait_s, stop=lambda: state["stop"]) is None:
+        log.warning("stopped before the run started")
+        return 0
+    producer = _start_producer(cfg, Producer, lambda: state["stop"])
+    if producer is None:
+        return 0
+    state["producer"] = producer
+    producer.stop_requested = state["stop"]
+    monitor = None
+    if args.monitor:
+        from budgetq.producer.ops.monitor import MonitorThread
+
+        monitor = MonitorThread(cfg)
+        port = monitor.start()
+        log.info("monitor on http://%s:%d", cfg.monitor.host, port)
+    progress = ProgressReporter(cfg, producer.conn)
+    try:
+        rows = producer.run(on_tick=lambda _p: progress.update())
+    finally:
+        progress.close()
+        if monitor is not None:
+            monitor.stop()
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    print_summary(rows)
+    _warn_no_rows(cfg, rows, warned)
+    return cli_features.print_capture(producer.capture, finished=not state["stop"])
+
+
+def _start_producer(cfg: Config, factory, stopped):
+    """The producer's start (registering datasets, adopting rows on disk) retried through a Redis blip."""
+    import time
+
+    from budgetq.shared.redis_conn import explain
+    from budgetq.shared.retry import backoff_s
+
+    started, attempt = time.monotonic(), 0
+    while not stopped():
+        try:
+            return factory(cfg)
+        except REDIS_DOWN as exc:
+            attempt += 1
+            if time.monotonic() - started > cfg.redis_wait_s:
+                raise BudgetqError(explain(exc, cfg.redis_url)) from None
+            if attempt == 1:
+                log.warning("producer: Redis failed while starting (%s); retrying", explain(exc, cfg.redis_url))
+            time.sleep(backoff_s(min(attempt, 6), 0.2, 5.0))
+    log.warning("stopped before the run started")
+    return None
+
+
+def concurrency_arg(text: str) -> int | str:
+    """argparse type of worker --concurrency: an integer > 0, or auto."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from budgetq.worker.runner import ConcurrentWorker
+
+    cfg = load(args)
+    grace = args.grace_s if args.grace_s is not None else cfg.worker.grace_s
+    concurrency = args.concurrency if args.concurrency is not None else cfg.worker.concurrency
+    # auto: sized from the servers, re-read every capacity_interval_s (worker/capacity.py)
+    w = ConcurrentWorker(cfg, concurrency, burst=args.burst, grace_s=grace)
+    if cli_features.capture_datasets(cfg) and not args.no_features:
+        # a dataset with capture: features: this process serves its features jobs too (cli_features.py)
+        rc = asyncio.run(cli_features.run_worker_with_features(w, cfg, args.burst))
+    else:
+        rc = asyncio.run(w.run())
+    if w.abandoned:
+        # Threads still blocked on a Redis that does not answer would hold the exit until their
+        # socket timeout; the jobs they held come back through their leases (docs/resilience.md).
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(rc)
+    return rc
+
+
+def _conn(args: argparse.Namespace):
+    cfg = load(args)
+    return cfg, open_redis(cfg, args.cmd)
+
+
+def cmd_budget_set(args: argparse.Namespace) -> int:
+    from budgetq.shared import control
+
+    try:
+        tokens = positive_budget(parse_tokens(args.tokens))
+    except ValueError as exc:
+        raise BudgetqError(f"budget for {args.dataset}: {exc}") from None
+    _cfg, conn = _conn(args)
+    change = control.set_budget(conn, args.dataset, tokens, args.abort_in_flight)
+    print(f"{args.dataset}: budget {format_tokens(int(change.old))} -> {format_tokens(tokens)}" + change.describe()
+          + ("; aborted 0 requests in flight" if args.abort_in_flight and not change.aborted else ""))
+    return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    from budgetq.shared import control
+
+    _cfg, conn = _conn(args)
+    paused = args.cmd == "pause"
+    change = control.set_paused(conn, args.dataset, paused, getattr(args, "abort_in_flight", False))
+    print(f"{args.dataset}: {'paused' if paused else 'resumed'}" + change.describe())
+    return 0
+
+
+def cmd_retry_failed(args: argparse.Namespace) -> int:
+    from budgetq.shared import control
+    from budgetq.shared.redis_conn import dataset_names
+
+    _cfg, conn = _conn(args)
+    names = args.dataset or dataset_names(conn)
+    counts = control.retry_failed(conn, names)
+    for ds, n in counts.items():
+        print(f"{ds}: requeued {n} failed jobs")
+    if sum(counts.values()):
+        print("their results are collected by a running `budgetq produce` (start one if the run had ended)")
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    from budgetq.producer.run.reconcile import reconcile
+
+    cfg, conn = _conn(args)
+    names = args.dataset or [d.name for d in cfg.datasets]
+    if not names:
+        raise BudgetqError("reconcile needs the datasets of a config (-c CONFIG)")
+    reports = [reconcile(conn, cfg, cfg.dataset(n), rebuild=args.rebuild, force=args.force) for n in names]
+    if args.json:
+        print(json.dumps([r.as_dict() for r in reports], indent=2))
+    for r in reports if not args.json else []:
+        diff = r.used_after - r.used_before
+        print(f"{r.dataset}: {r.rows_on_disk} rows on disk, {r.rows_in_stream} waiting in Redis; "
+              f"used {r.used_before} -> {r.used_after} (files say {r.used_expected}, {diff:+d}); "
+              f"adopted {r.adopted} rows (+{r.tokens_added} tokens); {r.stale_done} done ids without a row"
+              + ("" if r.rebuilt or not r.stale_done else " (run with --rebuild to forget them)"))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from budgetq.cli.demo import run_demo
+
+    return run_demo(redis_url=args.redis_url, workers=args.workers, concurrency=args.concurrency,
+                    log_level=args.log_level, log_format=args.log_format)
+
+
+def _register_run(sub: argparse._SubParsersAction) -> None:
+    sp = with_config(sub.add_parser("produce", help="enqueue prompts and collect results"))
+    sp.add_argument("--output-dir")
+    sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
+    sp.set_defaults(func=cmd_produce)
+    sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))
+    sp.add_argument("--concurrency", type=concurrency_arg,
+                    help="requests in flight, or auto: sized from the servers (overrides worker.concurrency)")
+    sp.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    sp.add_argument("--grace-s", type=seconds(0), help="overrides worker.grace_s")
+    sp.add_argument("--no-features", action="store_true",
+                    help="do not serve features jobs (served by default when a dataset has capture: features)")
+    sp.set_defaults(func=cmd_worker)
+    bp = sub.add_parser("budget", help="change a budget live").add_subparsers(dest="bcmd", required=True)
+    sp = with_config(bp.add_parser("set", help="set a dataset's budget (effective on the next admission)"),
+                     servers=False)
+    sp.add_argument("dataset")
+    sp.add_argument("tokens", help="above 0, e.g. 12M, 2.5k, 10_000_000 (to stop a dataset: budgetq pause)")
+    sp.add_argument("--abort-in-flight", action="store_true",
+                    help="also cancel the dataset's requests in flight (their results will not count)")
+    sp.set_defaults(func=cmd_budget_set)
+    cli_plan.register_budget(bp)  # deadline, total, weight, show (budgetq/cli/plan.py)
+    for name in ("pause", "resume"):
+        sp = with_config(sub.add_parser(name, help=f"{name} a dataset (effective on the next admission)"),
+                         servers=False)
+        sp.add_argument("dataset")
+        if name == "pause":
+            sp.add_argument("--abort-in-flight", action="store_true", help="also cancel its requests in flight")
+        sp.set_defaults(func=cmd_pause)
+    sp = with_config(sub.add_parser("retry-failed", help="requeue failed jobs (all datasets, or those named)"),
+                     servers=False)
+    sp.add_argument("dataset", nargs="*")
+    sp.set_defaults(func=cmd_retry_failed)
+    sp = with_config(sub.add_parser("reconcile", help="rebuild counters and done sets from the output files"),
+                     servers=False)
+    sp.add_argument("dataset", nargs="*")
+    sp.add_argument("--output-dir")
+    sp.add_argument("--rebuild", action="store_true",
+                    help="set used and the done set to exactly what the files say (else: only add what is missing)")
+    sp.add_argument("--force", action="store_true", help="run even with requests in flight")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_reconcile)
+    sp = sub.add_parser("demo", help="the whole pipeline on one machine with bundled data")
+    sp.add_argument("--redis-url")
+    sp.add_argument("--workers", type=positive_int, default=2)
+    sp.add_argument("--concurrency", type=positive_int, default=64)
+    sp.set_defaults(func=cmd_demo)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one line naming the flag and the value (not the usage text), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override,unused-ignore]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="budgetq", description="Token-budgeted generation on Redis + RQ + SGLang")
+    p.add_argument("--version", action="version", version=f"budgetq {_version()}")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _register_run(sub)
+    cli_sim.register(sub)
+    cli_ops.register(sub)
+    cli_data.register(sub)
+    cli_plan.register(sub)  # budgetq plan
+    cli_features.register(sub)  # hidden states
+    cli_init.register(sub)
+    return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("budgetq")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a reader that went away is seen here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _closed_stdout()
+    except (BudgetqError, FileNotFoundError) as exc:
+        return _fail(args, str(exc))
+    except redis.RedisError as exc:
+        from budgetq.shared.redis_conn import explain
+
+        url = getattr(args, "loaded_redis_url", None)
+        return _fail(args, explain(exc, url) if url else f"redis: {exc}")
+    except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stopped at once, nothing written is lost
+        return _fail(args, f"{args.cmd}: interrupted", status=130)
+
+
+def _closed_stdout() -> int:
+    """stdout was closed by its reader (``| head``): stop quietly, as a SIGPIPE'd tool does.
+
+    stdout now points at /dev/null, so the interpreter's last flush at exit cannot raise (and
+    print "Exception ignored ... BrokenPipeError") again.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return BROKEN_PIPE_STATUS
+
+
+def _fail(args: argparse.Namespace, message: str, status: int = 2) -> int:
+    """A clear one-line error (a JSON log line with --log-format json), exit status 2."""
+    from budgetq.shared.logs import redact
+
+    message = redact(message)  # a password inside a URL of the message never reaches the terminal
+    if args.log_format == "json":
+        logging.getLogger("budgetq").error(message)
+    else:
+        print(f"budgetq: error: {message}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""``budgetq plan`` and the run-level ``budgetq budget`` commands (deadline, total, weight, show).
+
+The settings live in Redis (shared/run_plan.py): a running producer applies a change within
+``run.control_interval_s``; a restarted one keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from budgetq.cli.common import load, open_redis, with_config
+from budgetq.shared.errors import BudgetqError
+from budgetq.shared.tokens import format_tokens, parse_tokens
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text!r})")
+    return v
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from budgetq.producer.ops.plan import format_plan, make_plan
+
+    cfg = load(args)
+    if not cfg.datasets:
+        raise BudgetqError("plan needs the datasets of a config (-c CONFIG)")
+    p = make_plan(cfg, args.tok_s, args.timeout_s)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({**asdict(p), "rows": [{**asdict(r), "runs_out": r.runs_out} for r in p.rows]}, indent=2))
+    else:
+        print(format_plan(p))
+    return 0
+
+
+def _conn(args: argparse.Namespace):
+    cfg = load(args)
+    return cfg, open_redis(cfg, "budget")
+
+
+def cmd_deadline(args: argparse.Namespace) -> int:
+    import time
+
+    from budgetq.shared import run_plan
+
+    try:
+        when = run_plan.parse_deadline(args.when, time.time())
+    except run_plan.PlanError as exc:
+        raise BudgetqError(str(exc)) from None
+    _cfg, conn = _conn(args)
+    old = run_plan.set_deadline(conn, when)
+    print(f"deadline {run_plan.format_when(old)} -> {run_plan.format_when(when)}")
+    return 0
+
+
+def cmd_total(args: argparse.Namespace) -> int:
+    from budgetq.shared import run_plan
+
+    total = None
+    if args.tokens.strip().lower() not in ("none", "null", "off"):
+        try:
+            total = parse_tokens(args.tokens)
+        except ValueError as exc:
+            raise BudgetqError(f"total budget: {exc}") from None
+    _cfg, conn = _conn(args)
+    old = run_plan.set_total(conn, total)
+    print(f"total budget {format_tokens(old) if old is not None else 'none'} -> "
+          f"{format_tokens(total) if total is not None else 'none'}")
+    return 0
+
+
+def cmd_weight(args: argparse.Namespace) -> int:
+    from budgetq.shared import run_plan
+    from budgetq.shared.redis_conn import dataset_names
+
+    try:
+        weight = run_plan.parse_weight(args.weight)
+    except run_plan.PlanError as exc:
+        raise BudgetqError(f"{args.dataset}: {exc}") from None
+    _cfg, conn = _conn(args)
+    known = dataset_names(conn)
+    if args.dataset not in known:
+        raise BudgetqError(f"dataset {args.dataset!r} is not registered in this Redis "
+                           f"(registered: {', '.join(known) or 'none'})")
+    old = run_plan.set_weight(conn, args.dataset, weight)
+    print(f"{args.dataset}: weight {old:g} -> {weight:g}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from budgetq.shared import run_plan
+    from budgetq.shared.status import format_duration
+
+    _cfg, conn = _conn(args)
+    s = run_plan.read_settings(conn)
+    state = run_plan.read_state(conn) or {}
+    if args.json:
+        print(json.dumps({"deadline": s.deadline, "total_budget": s.total_budget, "weights": s.weights,
+                          "state": state}, indent=2))
+        return 0
+    print(f"deadline {run_plan.format_when(s.deadline)}; total budget "
+          f"{format_tokens(s.total_budget) if s.total_budget is not None else 'none'}")
+    if state:
+        rate = f"{state['tok_s']:,.0f} tok/s" if state.get("tok_s") else "not measured yet"
+        print(f"phase {state.get('phase')}; fleet {rate}; last responses take {state.get('tail_s', 0):.1f} s "
+              f"(p{100 * state.get('tail_quantile', 0):.0f})")
+        for name, d in sorted(state.get("datasets", {}).items()):
+            fin = d.get("projected_finish")
+            eta = "-" if fin is None else format_duration(max(0.0, fin - state["at"]))
+            print(f"  {name}: weight {d['weight']:g}, budget {format_tokens(d['limit'])}, used "
+                  f"{format_tokens(d['used'])}, finish in {eta}")
+    return 0
+
+
+def plan_text(plan: dict, now: float):
+    """`budgetq status`'s line for a deadline or a total: countdown, phase, rate, finish per dataset."""
+    import time
+
+    from rich.text import Text
+
+    from budgetq.shared.status import format_duration
+
+    bits = []
+    if plan.get("deadline") is not None:
+        left = plan["deadline"] - now
+        bits.append(f"deadline in {format_duration(left)}" if left > 0 else "deadline passed")
+        bits.append(f"({plan.get('phase') or '-'})")
+    if plan.get("total_budget") is not None:
+        bits.append(f"total {format_tokens(plan['total_budget'])}")
+    bits.append(f"fleet {plan['tok_s']:,.0f} tok/s" if plan.get("tok_s") else "fleet rate not measured yet")
+    finishes = []
+    for name, d in sorted((plan.get("datasets") or {}).items()):
+        fin = d.get("projected_finish")
+        finishes.append(f"{name} {time.strftime('%H:%M:%S', time.localtime(fin)) if fin else '-'}")
+    if finishes:
+        bits.append("finish: " + ", ".join(finishes))
+    return Text("  ".join(bits), style="bold cyan")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = with_config(sub.add_parser("plan", help="per dataset: weight, effective budget, prompts needed vs "
+                                                 "available, projected finish (reads, never writes)"))
+    sp.add_argument("--tok-s", type=_positive, help="the fleet's rate (default: the rate the live run measured)")
+    sp.add_argument("--timeout-s", type=_positive, default=3.0, help="for Redis (default 3)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_plan)
+
+
+def register_budget(bp: argparse._SubParsersAction) -> None:
+    """``budget deadline|total|weight|show``, beside ``budget set``."""
+    sp = with_config(bp.add_parser("deadline", help="set the run's deadline live (12h, 2026-12-05T08:00:00Z, none)"))
+    sp.add_argument("when")
+    sp.set_defaults(func=cmd_deadline)
+    sp = with_config(bp.add_parser("total", help="set the run's total budget live (50M, none)"))
+    sp.add_argument("tokens")
+    sp.set_defaults(func=cmd_total)
+    sp = with_config(bp.add_parser("weight", help="set a dataset's weight live"))
+    sp.add_argument("dataset")
+    sp.add_argument("weight")
+    sp.set_defaults(func=cmd_weight)
+    sp = with_config(bp.add_parser("show", help="the deadline, total, weights and what the producer measures"))
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_show)

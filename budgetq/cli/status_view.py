@@ -1,0 +1,142 @@
+"""Rich rendering of a status snapshot, for ``budgetq status`` and ``status --watch``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from budgetq.shared.status import format_duration
+from budgetq.shared.tokens import format_tokens
+
+BAR_WIDTH = 12
+_STATE_STYLE = {"paused": "yellow", "done": "green", "draining": "magenta", "running": "cyan", "idle": "dim"}
+
+
+def text_bar(pct: float | None, width: int = BAR_WIDTH) -> Text:
+    pct = pct or 0.0
+    filled = min(width, int(round(width * min(pct, 100.0) / 100.0)))
+    style = "dark_orange" if pct > 100 else "blue"
+    bar = Text("█" * filled, style=style)
+    bar.append("░" * (width - filled), style="grey50")
+    bar.append(f" {pct:6.2f}%")
+    return bar
+
+
+def _clock(ts: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def datasets_table(snap: dict[str, Any]) -> Table:
+    t = Table(title="datasets", title_justify="left", expand=False)
+    columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
+        ("dataset", "left"), ("state", "left"), ("used / budget", "left"), ("used", "right"), ("budget", "right"),
+        ("in flight", "right"), ("queued", "right"), ("running", "right"), ("rows", "right"), ("skipped", "right"),
+        ("failed", "right"), ("invalid", "right"), ("ledger", "left"), ("tok/s", "right"), ("ETA", "right"))
+    for col, just in columns:
+        t.add_column(col, justify=just, no_wrap=True)
+    for d in snap["datasets"]:
+        led = d["ledger"]
+        t.add_row(d["dataset"], Text(d["state"], style=_STATE_STYLE.get(d["state"], "")), text_bar(d["used_pct"]),
+                  f"{d['used']:,}", format_tokens(d["budget"]), f"{d['in_flight']:,}", f"{led['queued']:,}",
+                  f"{led['running']:,}", f"{led['rows'] + led['truncated']:,}",
+                  f"{led['skipped']:,}", f"{led['failed']:,}", f"{led['invalid']:,}", ledger_cell(led),
+                  "-" if d["tok_s"] is None else f"{d['tok_s']:,.0f}", format_duration(d["eta_s"]))
+    if not snap["datasets"]:
+        t.add_row("(no dataset registered)", *[""] * 14)
+    return t
+
+
+def ledger_cell(led: dict[str, Any]) -> Text:
+    """``ok 1,234`` when every prompt that entered is in one state; what is missing (or counted
+    twice) otherwise."""
+    if led["unaccounted"] is None:
+        return Text("-", style="dim")  # the dataset's Redis state predates the ledger
+    if led["balanced"]:
+        return Text(f"ok {led['entered']:,}", style="green")
+    n = led["unaccounted"]
+    what = f"{n:,} unaccounted" if n > 0 else f"{-n:,} counted twice"
+    return Text(f"{what} of {led['entered']:,}", style="red")
+
+
+def summary_table(rows: list[dict[str, Any]]) -> Table:
+    """The final summary of ``budgetq produce``: each dataset's ledger (the states every prompt is
+    in, as ``status`` shows them) and what this run did. Optional columns appear when not zero."""
+    table = Table(title="budgetq summary")
+    optional = [c for c in ("truncated", "running") if any(r[c] for r in rows)]
+    unbalanced = any(r["unaccounted"] for r in rows)  # 0 or None (state older than the ledger): hidden
+    cols = ["dataset", "budget", "used", "used/budget", "rows", *optional, "skipped", "failed", "queued",
+            "aborted", "invalid", "duplicate ids", "filtered", *(["unaccounted"] if unbalanced else []),
+            "wasted", "stop"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("dataset", "stop") else "right")
+    for r in rows:
+        ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
+        cells = [r["dataset"], format_tokens(r["budget"]), str(r["used"]), ratio, str(r["rows"]),
+                 *(str(r[c]) for c in optional), str(r["skipped"]), str(r["failed"]), str(r["queued"]),
+                 str(r["aborted"]), str(r["invalid"]), str(r["duplicate_ids"]), str(r["filtered"]),
+                 *([str(r["unaccounted"] if r["unaccounted"] is not None else "-")] if unbalanced else []),
+                 str(r["wasted_tokens"]), r["stop"]]
+        table.add_row(*cells)
+    return table
+
+
+def workers_table(snap: dict[str, Any]) -> Table:
+    t = Table(title="workers", title_justify="left")
+    for col in ("worker", "host", "pid", "up", "in flight", "concurrency", "processed"):
+        t.add_column(col, justify="left" if col in ("worker", "host") else "right", no_wrap=True)
+    for w in snap["workers"]:
+        t.add_row(w["name"], w["host"] or "-", str(w["pid"] or "-"), format_duration(w["uptime_s"]),
+                  f"{w['in_flight']:,}", f"{w['concurrency']:,}", f"{w['processed']:,}")
+    if not snap["workers"]:
+        t.add_row("(no live worker)", *[""] * 6)
+    return t
+
+
+def endpoints_table(snap: dict[str, Any]) -> Table:
+    t = Table(title="endpoints", title_justify="left")
+    for col in ("endpoint", "health", "in flight", "failures", "healthy / workers", "prompt cached"):
+        t.add_column(col, justify="left" if col in ("endpoint", "health") else "right", no_wrap=True)
+    for e in snap["endpoints"]:
+        health = (Text("unknown", style="dim") if e["healthy"] is None
+                  else Text("healthy", style="green") if e["healthy"] else Text("down", style="red"))
+        prompt = e.get("prompt_tokens", 0)
+        cached = f"{e.get('cached_tokens', 0) / prompt:.0%}" if prompt else "-"   # share of prompt tokens
+        t.add_row(e["url"], health, f"{e['in_flight']:,}", f"{e['failures']:,}",
+                  f"{e['healthy_workers']} / {e['workers']}", cached)
+    if not snap["endpoints"]:
+        t.add_row("(none reported)", "", "", "", "", "")
+    return t
+
+
+def control_table(snap: dict[str, Any]) -> Table:
+    t = Table(title="recent operator actions", title_justify="left")
+    for col in ("time", "who", "action", "dataset", "old", "new"):
+        t.add_column(col, no_wrap=True)
+    for c in snap["control"]:
+        t.add_row(_clock(c["ts"]), c["who"] or "-", c["action"] or "-", c["dataset"] or "-", c["old"] or "-",
+                  c["new"] or "-")
+    return t
+
+
+def render(snap: dict[str, Any]) -> RenderableType:
+    tot = snap["totals"]
+    head = Text.assemble(
+        ("budgetq status", "bold"), f"  redis {snap['redis']}{' (TLS)' if snap['redis_tls'] else ''}",
+        f"  at {_clock(snap['generated_at'])}",
+        f"  used {format_tokens(tot['used'])} / {format_tokens(tot['budget'])}",
+        f"  {tot['tok_s']:,.0f} tok/s  in flight {tot['in_flight']:,}",
+        f"  workers {tot['workers']} ({tot['worker_slots']:,} slots)")
+    parts: list[RenderableType] = [head, datasets_table(snap), workers_table(snap), endpoints_table(snap)]
+    if snap.get("diagnosis"):  # why the servers fail, in one line (shared/server_faults.py)
+        parts.insert(1, Text(snap["diagnosis"], style="bold red"))
+    if snap.get("plan"):  # a deadline or a total: countdown and projected finish (budgetq/cli/plan.py)
+        from budgetq.cli.plan import plan_text
+
+        parts.insert(1, plan_text(snap["plan"], snap["generated_at"]))
+    if snap["control"]:
+        parts.append(control_table(snap))
+    return Group(*parts)

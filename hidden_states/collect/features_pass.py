@@ -1,0 +1,385 @@
+"""``budgetq features``: the hidden-state pass over what generation committed (docs/hidden_states.md).
+
+Runs where the output disk is (the producer's side, DESIGN.md: the producer owns the disk). For
+each dataset it:
+- opens the dataset's feature store (hidden_states/store/shards.py), which repairs a crash, and marks
+  every sample on disk done in Redis (``bq:{ds}:features:done``);
+- enqueues one features job per committed row not done and not already queued or started
+  (RQ queue ``bq-<ds>-features``, JSON serializer, at most features.high_water queued), while the
+  disk guard lets it;
+- collects the workers' decoded tensors from ``bq:{ds}:features:results``, writes them as shards,
+  then marks them done and deletes their stream entries (in that order: a crash in between
+  leaves entries whose ids the store recognises and drops);
+- requeues jobs whose lease lapsed (a features worker died);
+- exits once every row is captured, failed (reported) or refused by the disk guard.
+Restart-safe at any point: run it again and it continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import cast
+
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from budgetq.hidden_states.collect.guard import DiskGuard
+from budgetq.hidden_states.collect.inputs import FeaturesInputError, RowTail, conversation_ids
+from budgetq.hidden_states.collect.lock import CollectorLock, new_owner
+from budgetq.hidden_states.schema import FeaturesMeta, FeaturesPayload
+from budgetq.hidden_states.store.shards import FeatureStore
+from budgetq.producer.reading.tokenize import load_tokenizer
+from budgetq.shared import jobs, keys
+from budgetq.shared.config import Config, DatasetConfig
+from budgetq.shared.errors import ConfigError
+from budgetq.shared.identity import job_id
+from budgetq.shared.redis_conn import text
+from budgetq.shared.scripts import run_many
+from budgetq.shared.stats import Stat
+
+log = logging.getLogger("budgetq.features")
+JOB_FUNC = "budgetq.hidden_states.capture.features_worker.run_features_job"
+FAILURE_TTL_S = 7 * 86400
+READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
+MAINTAIN_EVERY_S = 2.0
+# --follow: a shard still short of shard_mb is written after this long without new results, so what
+# trickles in reaches the disk (and leaves Redis) in bounded time.
+FOLLOW_FLUSH_IDLE_S = 30.0
+MB = 2**20
+SAMPLE_HEADER_BYTES = 400   # a sample's share of its shard's JSON header (3 tensor entries, metadata), generous
+_LIVE = {b"queued", b"started", b"deferred", b"scheduled"}
+
+
+@dataclass
+class DatasetPass:
+    ds: DatasetConfig
+    store: FeatureStore
+    queue: Queue
+    tail: RowTail
+    rows: Iterator
+    rows_done: bool = False
+    held_back: FeaturesPayload | None = None
+    enqueued: int = 0
+    already: int = 0
+    invalid: list[str] = field(default_factory=list)
+    outstanding: dict[str, int] = field(default_factory=dict)  # prompt id -> tokens, enqueued, not yet back
+    captured: int = 0
+    duplicates: int = 0
+    cursor: str = "-"
+    consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
+    unmarked: list[str] = field(default_factory=list)  # ids written to disk, not yet in the Redis done set
+    relost: set[str] = field(default_factory=set)  # ids whose job Redis lost, enqueued again (_requeue_lost)
+    last_result: float = 0.0   # monotonic time of the last stream read that got something
+
+
+@dataclass
+class Report:
+    datasets: dict[str, dict] = field(default_factory=dict)
+    stopped_by: str | None = None
+    failed: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.stopped_by is None and not any(self.failed.values())
+
+
+class FeaturesPass:
+    def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None, follow: bool = False,
+                 owner: str | None = None) -> None:
+        if not cfg.server.tokenizer:
+            raise ConfigError("budgetq features needs server.tokenizer: the conversation is re-tokenized with the "
+                              "model's chat template to find the answer's tokens (the loss mask)")
+        self.cfg = cfg
+        self.conn = conn
+        # follow: rows committed while the pass runs are captured too (run it beside `budgetq produce`);
+        # it then ends on SIGINT/SIGTERM only.
+        self.follow = follow
+        self._unfollow = threading.Event()  # end_follow(): read the files to their end once more, then finish
+        self.tokenizer = load_tokenizer(cfg.server.tokenizer)
+        self.guard = DiskGuard(cfg)
+        self.stop = threading.Event()
+        self.passes: list[DatasetPass] = []
+        self.lock = CollectorLock(conn, owner or new_owner())  # owner: see CollectorLock
+        chosen = [cfg.dataset(n) for n in names] if names else cfg.datasets
+        self.lock.take([ds.name for ds in chosen])
+        for ds in chosen:
+            store = FeatureStore(cfg.output_dir, ds.name, cfg.features.shard_bytes)
+            self._mark_done(ds.name, sorted(store.ids))
+            queue = Queue(keys.features_queue_name(ds.name), connection=conn, serializer=JSONSerializer)
+            tail = RowTail(cfg.output_dir / f"{ds.name}.jsonl")
+            self.passes.append(DatasetPass(ds, store, queue, tail, tail.new_rows()))
+            conn.sadd(keys.FEATURES_DATASETS, ds.name)
+            if store.recovered.tmp_removed or store.recovered.reindexed:
+                log.warning("features %s: repaired after a crash: %d unfinished shard writes removed, %d samples "
+                            "indexed", ds.name, store.recovered.tmp_removed, store.recovered.reindexed)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def _mark_done(self, ds: str, ids: list[str]) -> None:
+        for i in range(0, len(ids), 1000):
+            self.conn.sadd(keys.features_done_key(ds), *ids[i:i + 1000])
+
+    def end_follow(self) -> None:
+        """Stop following (thread-safe): every row there will be is on disk (generation is complete), so
+        the pass reads each file to its end once more and then ends as a pass without --follow does."""
+        self._unfollow.set()
+
+    def _stop_following(self) -> None:
+        self.follow = False
+        for p in self.passes:
+            # A fresh read from where the current one will have stopped: it opens the file after
+            # end_follow() was called, so it sees every line committed before that.
+            p.rows = chain(p.rows, p.tail.new_rows())
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, poll_s: float = 0.05) -> Report:
+        last_maintain = 0.0
+        while not self.stop.is_set():
+            if self.follow and self._unfollow.is_set():
+                self._stop_following()
+            progressed = False
+            for p in self.passes:
+                # Collect first: results already waiting (a restart, a plain rq worker) are not enqueued again.
+                if self._collect(p):
+                    progressed = True
+                    p.last_result = time.monotonic()
+                elif self.follow and p.store.buffer and time.monotonic() - p.last_result > FOLLOW_FLUSH_IDLE_S:
+                    self._flush(p)
+                progressed |= self._enqueue(p)
+            if time.monotonic() - last_maintain > MAINTAIN_EVERY_S:
+                self.lock.refresh()
+                self._maintain()
+                last_maintain = time.monotonic()
+            if all(self._finished(p) for p in self.passes):
+                break
+            if not progressed:
+                time.sleep(poll_s)
+        for p in self.passes:
+            self._collect(p)
+            self._flush(p)
+        rep = self._report()
+        self.release()
+        return rep
+
+    def _finished(self, p: DatasetPass) -> bool:
+        if self.follow or not (p.rows_done or self.guard.reason):
+            return False
+        name = keys.features_name(p.ds.name)
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.llen(keys.rq_queue_key(name))
+        pipe.zcard(keys.rq_wip_key(name))
+        pipe.xrange(keys.features_results_key(p.ds.name), min=f"({p.cursor}" if p.cursor != "-" else "-", count=1)
+        queued, started, unread = pipe.execute()
+        return queued == 0 and started == 0 and not unread and not self._requeue_lost(p)
+
+    def _requeue_lost(self, p: DatasetPass) -> bool:
+        """Jobs this pass enqueued that neither came back nor failed while none is queued or running:
+        Redis lost them (a crash past its last AOF fsync). Their rows are read again and enqueued anew,
+        once; what is still missing after that is reported as failed."""
+        self._forget_failed(p)
+        lost = set(p.outstanding) - p.relost
+        if not lost:
+            return False
+        log.warning("features %s: %d jobs are gone from Redis (restarted without them?); enqueueing their rows "
+                    "again", p.ds.name, len(lost))
+        for pid in lost:
+            p.outstanding.pop(pid, None)
+        p.relost |= lost
+        p.rows = chain(p.rows, (r for r in RowTail(p.tail.path).new_rows() if r.id in lost))
+        p.rows_done = False
+        return True
+
+    # -- enqueue -------------------------------------------------------------------------
+    def _next_payload(self, p: DatasetPass) -> FeaturesPayload | None:
+        """The next row to capture as a payload (rows on disk or that cannot be tokenized are passed over)."""
+        if p.held_back is not None:
+            out, p.held_back = p.held_back, None
+            return out
+        kwargs = dict(p.ds.chat_template_kwargs)
+        for row in p.rows:
+            if p.store.has(row.id):
+                p.already += 1
+                continue
+            try:
+                ids, start, end = conversation_ids(self.tokenizer, row, kwargs)
+            except FeaturesInputError as exc:
+                p.invalid.append(str(exc))
+                log.warning("features %s: %s", p.ds.name, exc)
+                continue
+            return FeaturesPayload(id=row.id, dataset=p.ds.name, input_ids=ids, loss_start=start, loss_end=end,
+                                   dtype=self.cfg.features.dtype)
+        if self.follow:
+            p.rows = p.tail.new_rows()  # what the collector appends from now on
+        else:
+            p.rows_done = True
+        return None
+
+    def _enqueue(self, p: DatasetPass) -> bool:
+        if p.rows_done or self.guard.reason:
+            return False
+        room = self.cfg.features.high_water - self.conn.llen(keys.rq_queue_key(keys.features_name(p.ds.name)))
+        batch: list[FeaturesPayload] = []
+        outstanding_tokens = sum(sum(q.outstanding.values()) for q in self.passes)
+        while len(batch) < room:
+            payload = self._next_payload(p)
+            if payload is None:
+                break
+            on_disk = sum(q.store.bytes_on_disk for q in self.passes)
+            tokens_on_disk = sum(q.store.tokens_on_disk for q in self.passes)
+            self.guard.disk_bytes_per_token = on_disk / tokens_on_disk if tokens_on_disk else None
+            buffered = sum(q.store.buffer_bytes for q in self.passes)
+            jobs_out = sum(len(q.outstanding) for q in self.passes) + len(batch)
+            n = len(payload.input_ids)
+            if not self.guard.admit(n, outstanding_tokens, jobs_out, on_disk, buffered):
+                p.held_back = payload  # sent once the guard knows bytes per token, or never (reason set)
+                if self.guard.reason is not None:
+                    log.error("features: admissions stopped: %s", self.guard.reason)
+                break
+            outstanding_tokens += n
+            batch.append(payload)
+        return self._push(p, batch) > 0
+
+    def _push(self, p: DatasetPass, batch: list[FeaturesPayload]) -> int:
+        if not batch:
+            return 0
+        name = keys.features_name(p.ds.name)
+        jids = [job_id(name, b.id) for b in batch]
+        pipe = self.conn.pipeline(transaction=False)
+        for jid in jids:
+            pipe.hget(keys.rq_job_key(jid), "status")
+        statuses = pipe.execute()
+        data = []
+        for b, jid, status in zip(batch, jids, statuses, strict=True):
+            p.outstanding[b.id] = len(b.input_ids)
+            if status in _LIVE:  # queued or running from an earlier pass: its result will come
+                continue
+            data.append(Queue.prepare_data(JOB_FUNC, args=(b.model_dump(),), job_id=jid, timeout=-1,
+                                           result_ttl=jobs.RESULT_TTL_S, failure_ttl=FAILURE_TTL_S,
+                                           description=f"{p.ds.name}:features"))
+        if data:
+            with self.conn.pipeline() as pipe:
+                # failed in an earlier pass, enqueued again now
+                pipe.zrem(f"rq:failed:{keys.queue_name(name)}", *[d.job_id for d in data])
+                p.queue.enqueue_many(data, pipeline=pipe)
+                pipe.execute()
+        p.enqueued += len(data)
+        return len(batch)
+
+    # -- collect -------------------------------------------------------------------------
+    def _collect(self, p: DatasetPass) -> bool:
+        key = keys.features_results_key(p.ds.name)
+        got = False
+        limit = min(self.cfg.features.shard_bytes, int(self.cfg.features.redis_max_mb * MB / 2))
+        while True:
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]],
+                           self.conn.xrange(key, min=f"({p.cursor}" if p.cursor != "-" else "-", count=READ_COUNT))
+            if not entries:
+                break
+            got = True
+            for eid, fields in entries:
+                p.cursor = eid.decode()
+                data = fields[b"data"]
+                p.consumed.append((eid, len(data) + len(fields.get(b"aux", b""))))
+                try:
+                    meta = FeaturesMeta.model_validate_json(fields[b"meta"])
+                except ValueError as exc:
+                    log.error("features %s: unreadable stream entry %s dropped: %s", p.ds.name, p.cursor, exc)
+                    continue
+                p.outstanding.pop(meta.id, None)
+                # what the sample will weigh in a shard: tensor, token ids (4 B) and mask (1 B), header entries
+                self.guard.learn(meta.shape[0], len(data) + len(fields.get(b"aux", b"")) + 5 * meta.shape[0]
+                                 + SAMPLE_HEADER_BYTES)
+                aux = fields.get(b"aux")
+                if p.store.add(meta, data, aux):
+                    p.captured += 1
+                else:
+                    p.duplicates += 1  # a retried job's second copy
+                if p.store.buffer_bytes >= limit:
+                    self._flush(p)
+        # Jobs that failed are not coming back: stop counting them as outstanding.
+        if p.outstanding and not got:
+            self._forget_failed(p)
+        return got
+
+    def _flush(self, p: DatasetPass) -> None:
+        # Kept in p.unmarked until Redis has them: a Redis error here (the producer's capture goes on
+        # through outages) marks them at the next flush.
+        p.unmarked += p.store.flush()
+        if not p.unmarked and not p.consumed:
+            return
+        with self.conn.pipeline() as pipe:
+            if p.unmarked:
+                pipe.sadd(keys.features_done_key(p.ds.name), *p.unmarked)
+            if p.consumed:
+                pipe.xdel(keys.features_results_key(p.ds.name), *[e for e, _ in p.consumed])
+                pipe.decrby(keys.features_pending_key(p.ds.name), sum(n for _, n in p.consumed))
+            pipe.execute()
+        p.consumed.clear()
+        p.unmarked.clear()
+
+    def _forget_failed(self, p: DatasetPass) -> None:
+        name = keys.features_name(p.ds.name)
+        pipe = self.conn.pipeline(transaction=False)
+        pids = list(p.outstanding)
+        for pid in pids:
+            pipe.hget(keys.rq_job_key(job_id(name, pid)), "status")
+        for pid, status in zip(pids, pipe.execute(), strict=True):
+            if status == b"failed":
+                p.outstanding.pop(pid, None)
+
+    # -- maintenance ---------------------------------------------------------------------
+    def _maintain(self) -> None:
+        """Requeue features jobs whose lease lapsed (their worker died), as the generation
+        maintenance pass does for generation queues (shared/maintenance.py)."""
+        now = time.time()
+        for p in self.passes:
+            name = keys.features_name(p.ds.name)
+            members = self.conn.zrangebyscore(keys.rq_wip_key(name), "-inf", now)
+            calls = [jobs.requeue(name, text(m), text(m).rsplit(":", 1)[0], Stat.RECOVERED,
+                                  only_if_expired_before=now) for m in cast(list[bytes], members)]
+            n = sum(1 for r in run_many(self.conn, calls) if r is True)
+            if n:
+                log.warning("features %s: requeued %d jobs of a features worker that stopped heartbeating",
+                            p.ds.name, n)
+
+    # -- report --------------------------------------------------------------------------
+    def _report(self) -> Report:
+        rep = Report(stopped_by=self.guard.reason)
+        for p in self.passes:
+            failed = self._failures(p)
+            rep.failed[p.ds.name] = failed
+            if p.rows_done and not self.guard.reason and not failed and not self.stop.is_set():
+                self.conn.srem(keys.FEATURES_DATASETS, p.ds.name)
+            rep.datasets[p.ds.name] = {
+                "samples_on_disk": len(p.store.ids), "captured": p.captured, "enqueued": p.enqueued,
+                "already_on_disk": p.already, "duplicates_dropped": p.duplicates, "invalid": len(p.invalid),
+                "failed": len(failed), "bytes_on_disk": p.store.bytes_on_disk,
+                "bytes_per_token": round(p.store.bytes_per_token or 0.0, 1)}
+        return rep
+
+    def _failures(self, p: DatasetPass) -> list[str]:
+        """'<job id>: <last line of the error>' for the dataset's failed features jobs not on disk."""
+        name = keys.features_name(p.ds.name)
+        out = []
+        for member in cast(list[bytes], self.conn.zrange(f"rq:failed:{keys.queue_name(name)}", 0, -1)):
+            jid = text(member)
+            status, exc = cast(list[bytes | None], self.conn.hmget(keys.rq_job_key(jid), ["status", "exc_info"]))
+            if status != b"failed":
+                continue  # enqueued again since
+            try:
+                exc = zlib.decompress(exc or b"")
+            except zlib.error:
+                pass
+            lines = (exc or b"").decode(errors="replace").strip().splitlines()
+            out.append(f"{jid}: {lines[-1] if lines else 'failed'}")
+        out += [f"{job_id(name, pid)}: lost by Redis, not captured" for pid in sorted(p.relost - p.store.ids)]
+        return out
+

@@ -1,0 +1,180 @@
+"""``budgetq plan``: what a deadline and a total mean per dataset, before or during a run.
+
+Per dataset: its weight, its effective budget (producer/run/allocation.py's water-filling, as the
+producer's budget loop computes it), the prompts that budget needs at the mean length (measured,
+or prior_mean_tokens before any result) against the prompts it has, and when it would finish at
+the fleet's rate (``--tok-s``, or the rate the live run measured). Reads Redis if it answers
+(live settings, what is spent), writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from budgetq.producer.ops.check import check_dataset
+from budgetq.producer.run.allocation import Claim, deadline_total, water_fill
+from budgetq.shared import keys, run_plan
+from budgetq.shared.config import Config
+from budgetq.shared.redis_conn import connect_once
+from budgetq.shared.status import format_duration
+from budgetq.shared.tokens import format_tokens
+
+
+@dataclass
+class PlanRow:
+    name: str
+    weight: float
+    cap: int | None
+    budget: int
+    used: int
+    mean: float
+    available: int          # prompts not yet done
+    needed: int             # prompts the rest of the budget takes at the mean
+    finish: float | None    # unix time, at the fleet's rate shared by the datasets still running
+
+    @property
+    def runs_out(self) -> bool:
+        return self.needed > self.available
+
+
+@dataclass
+class Plan:
+    now: float
+    deadline: float | None
+    total_budget: int | None
+    tok_s: float | None
+    rate_source: str
+    tail_s: float
+    rows: list[PlanRow]
+    redis_error: str | None = None
+    note: str | None = None
+
+
+def _redis_view(cfg: Config, timeout_s: float) -> tuple[dict[str, Any], str | None]:
+    try:
+        conn = connect_once(cfg.redis_url, timeout_s)
+        try:
+            out: dict[str, Any] = {"state": run_plan.read_state(conn), "settings": None, "used": {}, "done": {},
+                                   "stats": {}}
+            if conn.exists(keys.PLAN):
+                out["settings"] = run_plan.read_settings(conn)
+            for ds in cfg.datasets:
+                out["used"][ds.name] = int(conn.get(keys.used_key(ds.name)) or 0)
+                out["done"][ds.name] = int(conn.scard(keys.done_key(ds.name)))
+                st = conn.hmget(keys.stats_key(ds.name), ["committed", "sum_tokens"])
+                out["stats"][ds.name] = (int(float(st[0] or 0)), int(float(st[1] or 0)))
+            return out, None
+        finally:
+            conn.close()
+    except (redis.RedisError, ValueError) as exc:
+        return {"state": None, "settings": None, "used": {}, "done": {}, "stats": {}}, f"{type(exc).__name__}: {exc}"
+
+
+def _finish_times(now: float, remaining: dict[str, float], tok_s: float) -> dict[str, float]:
+    """Processor sharing: the fleet's rate split evenly among the datasets still running."""
+    left = {n: r for n, r in remaining.items() if r > 0}
+    out = {n: now for n, r in remaining.items() if r <= 0}
+    t = now
+    while left:
+        share = tok_s / len(left)
+        name = min(left, key=lambda n: left[n])
+        dt = left[name] / share
+        t += dt
+        for n in left:
+            left[n] -= share * dt
+        out[name] = t
+        del left[name]
+    return out
+
+
+def make_plan(cfg: Config, tok_s: float | None = None, timeout_s: float = 3.0, now: float | None = None) -> Plan:
+    now = time.time() if now is None else now
+    view, err = _redis_view(cfg, timeout_s)
+    settings = view["settings"]
+    if settings is None:  # no run yet: the config's values (a relative deadline counted from now)
+        settings = run_plan.PlanSettings(run_plan.parse_deadline(cfg.run.deadline, now), cfg.run.total_budget,
+                                         {d.name: d.weight for d in cfg.datasets})
+    state = view["state"] or {}
+    source = "--tok-s"
+    if tok_s is None and state.get("tok_s"):
+        tok_s, source = float(state["tok_s"]), "measured on the live run"
+    elif tok_s is None:
+        source = "unknown"
+    tail = float(state.get("tail_s") or 0.0)
+    claims, rows = [], []
+    for ds in cfg.datasets:
+        chk = check_dataset(ds, cfg)
+        used = view["used"].get(ds.name, 0)
+        done = view["done"].get(ds.name, 0)
+        committed, sum_tokens = view["stats"].get(ds.name, (0, 0))
+        mean = sum_tokens / committed if committed >= 20 else float(ds.prior_mean)
+        available = max(0, chk.valid - chk.duplicates - done)
+        can = used + int(available * mean)
+        cap = can if ds.budget is None else min(ds.budget, can)
+        claims.append(Claim(ds.name, settings.weight(ds.name), floor=used, cap=cap))
+        rows.append(PlanRow(ds.name, settings.weight(ds.name), ds.budget, ds.budget or 0, used, mean, available, 0,
+                            None))
+    totals = []
+    note = None
+    if settings.total_budget is not None:
+        totals.append(settings.total_budget)
+    if settings.deadline is not None:
+        if tok_s:
+            totals.append(deadline_total(sum(r.used for r in rows), 0, tok_s, now, settings.deadline, tail))
+        else:
+            note = "the deadline needs a rate: pass --tok-s N (or plan during a run, which measures it)"
+    # As the budget loop computes it; without a total or a usable deadline, each dataset's own budget.
+    shares = water_fill(min(totals), claims) if totals else {r.name: r.cap or r.used for r in rows}
+    for r in rows:
+        r.budget = shares[r.name]
+        r.needed = math.ceil(max(0, r.budget - r.used) / r.mean) if r.mean > 0 else 0
+    if tok_s:
+        remaining = {r.name: float(min(max(0, r.budget - r.used), r.available * r.mean)) for r in rows}
+        for name, t in _finish_times(now, remaining, tok_s).items():
+            next(r for r in rows if r.name == name).finish = t
+    return Plan(now, settings.deadline, settings.total_budget, tok_s, source, tail, rows, err, note)
+
+
+def format_plan(p: Plan) -> str:
+    lines = []
+    head = []
+    if p.deadline is not None:
+        left = p.deadline - p.now
+        head.append(f"deadline {run_plan.format_when(p.deadline)} "
+                    f"({'in ' + format_duration(left) if left > 0 else 'passed'})")
+    if p.total_budget is not None:
+        head.append(f"total {format_tokens(p.total_budget)}")
+    head.append(f"rate {p.tok_s:,.0f} tok/s ({p.rate_source})" if p.tok_s else "rate unknown")
+    if p.tail_s:
+        head.append(f"last responses take {p.tail_s:.1f} s")
+    lines.append("; ".join(head))
+    if p.redis_error:
+        lines.append(f"redis not read ({p.redis_error}): nothing spent assumed")
+    cols = ("dataset", "weight", "budget", "used", "mean", "prompts needed", "available", "finish")
+    table = [cols]
+    for r in p.rows:
+        finish = "-"
+        if r.finish is not None:
+            finish = time.strftime("%H:%M:%S", time.gmtime(r.finish)) + f" (+{format_duration(r.finish - p.now)})"
+            if p.deadline is not None and r.finish > p.deadline + 1:
+                finish += " after the deadline"
+        needed = f"{r.needed:,}" + (" RUNS OUT" if r.runs_out else "")
+        cap = "" if r.cap is None else f" (cap {format_tokens(r.cap)})"
+        table.append((r.name, f"{r.weight:g}", format_tokens(r.budget) + cap, format_tokens(r.used), f"{r.mean:,.0f}",
+                      needed, f"{r.available:,}", finish))
+    last = max((r.finish for r in p.rows if r.finish is not None), default=None)
+    table.append(("all", "", format_tokens(sum(r.budget for r in p.rows)), format_tokens(sum(r.used for r in p.rows)),
+                  "", f"{sum(r.needed for r in p.rows):,}", f"{sum(r.available for r in p.rows):,}",
+                  "-" if last is None else time.strftime("%H:%M:%S", time.gmtime(last))))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(cols))]
+    for row in table:
+        lines.append("  ".join(str(c).ljust(w) if i in (0, 7) else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+    if p.note:
+        lines.append(p.note)
+    return "\n".join(lines)

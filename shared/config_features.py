@@ -1,0 +1,92 @@
+"""The ``features:`` section of the config model: the hidden-states pass (docs/hidden_states.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from budgetq.shared.config_fields import Strict, TokenCount
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states: the `features` pass, a prefill-only request per committed row that
+# returns the target model's hidden states (docs/hidden_states.md).
+# ---------------------------------------------------------------------------------------------
+class FeaturesServerConfig(Strict):
+    # Servers started with --enable-return-hidden-states; None = the generation servers (server.urls).
+    urls: list[str] | None = Field(default=None, min_length=1)
+    # Servers started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: each sample
+    # is also prefilled there and the answer kept as its aux_hidden_state (what EAGLE-3 trains on).
+    aux_urls: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> FeaturesServerConfig:
+        for name in ("urls", "aux_urls"):
+            urls = getattr(self, name)
+            for url in urls or []:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"features.server.{name}: {url!r} is not an http(s) URL")
+            if urls:
+                setattr(self, name, [u.rstrip("/") for u in urls])
+        return self
+
+
+class FeaturesModelConfig(Strict):
+    """The target model the ``transformers`` capture backend loads into the features worker
+    (hidden_states/capture/transformers_backend.py)."""
+
+    # A local directory or a hub id (as AutoModel.from_pretrained takes it).
+    path: str = Field(min_length=1)
+    # The dtype the model runs in; None: features.dtype.
+    dtype: Literal["float16", "bfloat16", "float32"] | None = None
+    # Where it runs: "cpu", "cuda", "cuda:1"...; or device_map ("auto" spreads a model over the GPUs).
+    device: str = "cpu"
+    device_map: str | None = None
+    # transformers' attention implementation (sdpa, eager, flash_attention_2); None: transformers' default.
+    attn_implementation: str | None = None
+    # EAGLE-3's aux layers, as SpecForge numbers them (the output of decoder layer i); None: its default
+    # [1, L // 2 - 1, L - 4], what SGLang captures too; [] captures the last layer only.
+    aux_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    # A forward pass takes queued samples up to this many tokens (padding included); one longer runs alone.
+    max_batch_tokens: int = Field(default=16384, gt=0)
+    # How long a batch waits for more samples once one is there (the other jobs' requests are in flight).
+    batch_wait_s: float = Field(default=0.01, ge=0)
+    trust_remote_code: bool = False
+
+
+class FeaturesConfig(Strict):
+    server: FeaturesServerConfig = Field(default_factory=FeaturesServerConfig)
+    # How features workers get hidden states: http (prefills on SGLang servers started with
+    # --enable-return-hidden-states) or transformers (the worker loads features.model and runs it itself).
+    backend: Literal["http", "transformers"] = "http"
+    model: FeaturesModelConfig | None = None
+    # How hidden states are stored: float16, or bfloat16 (the models' own dtype; no overflow).
+    dtype: Literal["float16", "bfloat16"] = "bfloat16"
+    # A shard (out/<ds>/features/<n>.safetensors) is closed and written once it holds this much.
+    shard_mb: float = Field(default=512.0, gt=0)
+    # Admissions stop before the features of a run would pass this many bytes on disk (None: only
+    # the volume's free space bounds it), with a clear message. Accepts 10G-style counts.
+    max_bytes: TokenCount | None = None
+    # Prefill requests in flight per features worker process.
+    concurrency: int = Field(default=8, gt=0)
+    # Response bytes (JSON in flight + decoded blobs) a features worker holds at once; it claims
+    # no more while over (one request is always allowed).
+    worker_max_mb: float = Field(default=2048.0, gt=0)
+    # Decoded bytes waiting in Redis for the collector, per dataset; workers stop claiming over it.
+    redis_max_mb: float = Field(default=2048.0, gt=0)
+    # Processes decoding JSON responses per features worker (off the event loop).
+    decode_processes: int = Field(default=2, gt=0)
+    # Features jobs queued per dataset at once (each carries its token ids).
+    high_water: int = Field(default=256, gt=0)
+
+    @property
+    def shard_bytes(self) -> int:
+        return int(self.shard_mb * 2**20)
+
+    @model_validator(mode="after")
+    def _backend_has_a_model(self) -> FeaturesConfig:
+        if self.backend == "transformers" and self.model is None:
+            raise ValueError("features.backend transformers needs features.model.path (a local model directory "
+                             "or a hub id)")
+        return self
