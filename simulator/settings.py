@@ -1,4 +1,4 @@
-"""The simulator's settings: the capacity model, responses, faults and SGLang's timings (budgetq/cli/sim.py fills it)."""
+"""The simulator's settings: the capacity model, responses, faults and SGLang's timings (cli/sim.py fills it)."""
 
 from __future__ import annotations
 

@@ -76,8 +76,9 @@ def test_the_wheel_installs_one_name_budgetq_and_the_console_script(wheel, insta
     assert {n for n in ours if not n.endswith(".dist-info")} == {"budgetq"}, ours
     assert sorted(p.name for p in (installed / "bin").iterdir() if p.name.startswith("budgetq")) == ["budgetq"]
     # the generic names are not importable from the wheel (a checkout on sys.path would hide that)
-    probe = ("import importlib.util as u; import budgetq.shared.keys, budgetq.worker.job, budgetq.producer.run.producer;"
-             " print([n for n in ('shared', 'producer', 'worker', 'simulator', 'hidden_states') if u.find_spec(n)])")
+    probe = ("import importlib.util as u; import budgetq.shared.keys, budgetq.worker.job, "
+             "budgetq.producer.run.producer; "
+             "print([n for n in ('shared', 'producer', 'worker', 'simulator', 'hidden_states') if u.find_spec(n)])")
     out = subprocess.run([str(installed / "bin" / "python"), "-c", probe], cwd=tmp_path, capture_output=True,
                          text=True, env=_clean_env(), check=True).stdout.strip()
     assert out == "[]", out

@@ -256,6 +256,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("produce", help="enqueue prompts and collect results"))
     sp.add_argument("--output-dir")
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
+    cli_plan.run_flags(sp, "over the config's; a restart with the same 12h keeps the time it was first fixed to")
     sp.set_defaults(func=cmd_produce)
     sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))
     sp.add_argument("--concurrency", type=concurrency_arg,

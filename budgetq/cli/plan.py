@@ -30,7 +30,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load(args)
     if not cfg.datasets:
         raise BudgetqError("plan needs the datasets of a config (-c CONFIG)")
-    p = make_plan(cfg, args.tok_s, args.timeout_s)
+    what_if = args.deadline is not None or args.total_budget is not None
+    p = make_plan(cfg, args.tok_s, args.timeout_s, from_config=what_if)
     if args.json:
         from dataclasses import asdict
 
@@ -148,9 +149,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("plan", help="per dataset: weight, effective budget, prompts needed vs "
                                                  "available, projected finish (reads, never writes)"))
     sp.add_argument("--tok-s", type=_positive, help="the fleet's rate (default: the rate the live run measured)")
+    run_flags(sp, "instead of the live run's (or the config's)")
     sp.add_argument("--timeout-s", type=_positive, default=3.0, help="for Redis (default 3)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_plan)
+
+
+def run_flags(sp: argparse.ArgumentParser, whose: str) -> None:
+    """--deadline and --total-budget: the config's run.deadline and run.total_budget, by the same names."""
+    sp.add_argument("--deadline", help=f"run.deadline: 12h, 90m or an ISO time ({whose})")
+    sp.add_argument("--total-budget", help=f"run.total_budget: tokens over all datasets, e.g. 50M ({whose})")
 
 
 def register_budget(bp: argparse._SubParsersAction) -> None:

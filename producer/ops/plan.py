@@ -92,11 +92,14 @@ def _finish_times(now: float, remaining: dict[str, float], tok_s: float) -> dict
     return out
 
 
-def make_plan(cfg: Config, tok_s: float | None = None, timeout_s: float = 3.0, now: float | None = None) -> Plan:
+def make_plan(cfg: Config, tok_s: float | None = None, timeout_s: float = 3.0, now: float | None = None,
+              from_config: bool = False) -> Plan:
+    """The plan of the live run (its settings in Redis), or of the config's run: settings when no
+    run has started or ``from_config`` (what if: `budgetq plan --deadline ... --total-budget ...`)."""
     now = time.time() if now is None else now
     view, err = _redis_view(cfg, timeout_s)
     settings = view["settings"]
-    if settings is None:  # no run yet: the config's values (a relative deadline counted from now)
+    if settings is None or from_config:  # the config's values (a relative deadline counted from now)
         settings = run_plan.PlanSettings(run_plan.parse_deadline(cfg.run.deadline, now), cfg.run.total_budget,
                                          {d.name: d.weight for d in cfg.datasets})
     state = view["state"] or {}

@@ -108,6 +108,15 @@ class BudgetLoop:
             log.info("budgets: from the config: %s", ", ".join(applied))
         self.settings = run_plan.read_settings(conn)
         self.meter = RateMeter(cfg.run.rate_window_s)
+        # A restarted producer starts with an empty meter: until it has measured the fleet again
+        # (a fifth of rate_window_s and 20 results), the last producer's rate stands in, so the
+        # deadline's budgets do not open to unlimited for that while.
+        last = run_plan.read_state(conn) or {}
+        seed = last.get("tok_s")
+        self._seed_rate = float(seed) if isinstance(seed, int | float) and seed > 0 else None
+        if self._seed_rate is not None and self.settings.deadline is not None:
+            log.info("budgets: the fleet's rate is taken as the last producer's (%.0f tok/s) until it is measured "
+                     "again", self._seed_rate)
         self.per_ds = {d.name: RateMeter(cfg.run.rate_window_s, min_results=5) for d in cfg.datasets}
         self.latencies = Latencies()
         self._tails = {d.name: _RowTail(cfg.output_dir / f"{d.name}.jsonl") for d in cfg.datasets}
@@ -140,6 +149,14 @@ class BudgetLoop:
         self._recompute(now, feeds)
 
     # -- the work ------------------------------------------------------------------------------
+    def _rate(self) -> float | None:
+        """The fleet's counted tok/s: measured, else the last producer's (a restart), else None."""
+        measured = self.meter.rate()
+        if measured is not None:
+            self._seed_rate = None
+            return measured
+        return self._seed_rate
+
     def _tail_s(self) -> float:
         return self.latencies.quantile(self.run_cfg.tail_quantile) or 0.0
 
@@ -176,7 +193,7 @@ class BudgetLoop:
         self.meter.add(now, counted, results)
         for n, (st, _q) in states.items():
             self.per_ds[n].add(now, st.used, st.stats.get("committed", 0))
-        rate = self.meter.rate()
+        rate = self._rate()
         tail = self._tail_s()
         deadline = self.settings.deadline
         ph = phase(now, deadline, tail)
@@ -238,7 +255,7 @@ class BudgetLoop:
         total = sum(shares[n] for n in paced)
         if total <= 0 or progress <= 0:
             return shares
-        rate = self.meter.rate() or 0.0
+        rate = self._rate() or 0.0
         room = max(0.2 * (total - progress), 2 * self.run_cfg.control_interval_s * rate)
         out = dict(shares)
         for n in paced:
