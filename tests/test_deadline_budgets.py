@@ -11,12 +11,14 @@ stopping one of two workers halves it.
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import time
 
 from budgetq.shared import keys, run_plan
 from budgetq.shared.identity import job_id
-from tests.helpers import Procs, rows, sim_get, wait_for, write_config, write_dataset
+from tests.helpers import PY, Procs, rows, sim_get, wait_for, write_config, write_dataset
 
 SPEEDUP = 10
 DEADLINE_SIM_S = 60
@@ -52,6 +54,7 @@ def _run(tmp_path, redis_url, sim: str, datasets: list[dict], run: dict, workers
         producer = procs.producer()
         if during is not None:
             during(procs)
+        producer = next(p for p in reversed(procs.procs) if "produce" in p.args)  # a restarted one, if any
         assert producer.wait(timeout_s) == 0, Procs.log(producer)
     finally:
         procs.stop_all()
@@ -175,3 +178,43 @@ def test_what_runs_at_the_deadline_is_aborted_and_a_later_run_sends_it_again(tmp
     kept = [job_id("A", r["id"]) for r in rows(tmp_path / "out" / "A.jsonl")]
     assert len(kept) == len(set(kept)) == 40
     assert cut <= set(kept)
+
+
+def test_a_live_deadline_change_and_a_producer_restart_keep_the_run_on_its_deadline(tmp_path, redis_url, conn,
+                                                                                     sim_factory):
+    """The deadline moved from another shell while the producer runs, then the producer restarted:
+    the new one keeps that deadline and the fleet's last rate (its budgets never open up while it
+    measures again), and the run still ends on the deadline with the shares of the weights."""
+    sim = sim_factory(*SIM)
+    weights = {"A": 1.0, "B": 2.0}
+    datasets = _datasets(tmp_path, weights, {n: 600 for n in weights})
+    span = DEADLINE_SIM_S / SPEEDUP
+    marks: dict[str, float] = {}
+
+    def change_then_restart(procs: Procs) -> None:
+        wait_for(lambda: (run_plan.read_state(conn) or {}).get("tok_s"), 30, "a measured rate")
+        snap = json.loads(subprocess.run([*PY, "status", "--json", "-c", str(procs.cfg)], capture_output=True,
+                                         text=True, check=True, timeout=60).stdout)
+        plan = snap["plan"]
+        assert plan["phase"] == "run" and plan["deadline_in_s"] > 10 * span and plan["tok_s"] > 0, plan
+        assert {n: plan["datasets"][n]["weight"] for n in weights} == weights, plan
+        assert all(plan["datasets"][n]["projected_finish"] for n in weights), plan
+        # from another shell: the deadline comes in to `span` seconds from now
+        out = subprocess.run([*PY, "budget", "deadline", f"{span:g}s", "-c", str(procs.cfg)], capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+        assert "deadline" in out and "->" in out, out
+        marks["changed"] = time.time()
+        time.sleep(0.3 * span)
+        first = procs.procs[-1]
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(60) == 0, Procs.log(first)
+        marks["restarted"] = time.time()
+        procs.producer()  # _run waits for this one
+
+    _run(tmp_path, redis_url, sim, datasets, {"deadline": f"{100 * span:g}s"}, workers=2, concurrency=12,
+         during=change_then_restart, timeout_s=120)
+    deadline = _deadline(conn)
+    assert marks["changed"] < deadline <= marks["changed"] + span + 1  # the live change, kept by the restart
+    _check_deadline_run(conn, sim, tmp_path / "out", weights)
+    after = [e for e in _log(conn) if e["action"] == "budget_deadline" and float(e["ts"]) >= marks["restarted"]]
+    assert all(int(e["new"]) < 10**14 for e in after), after  # never unlimited while the rate was re-measured

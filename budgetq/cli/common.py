@@ -60,9 +60,9 @@ def load(args: argparse.Namespace) -> Config:
         overrides[("server", "urls")] = args.server_url
     if getattr(args, "output_dir", None):
         overrides[("output_dir",)] = args.output_dir
-    for flag, path in (("deadline", ("run", "deadline")), ("total_budget", ("run", "total_budget"))):
+    for flag, field in (("deadline", ("run", "deadline")), ("total_budget", ("run", "total_budget"))):
         if getattr(args, flag, None) is not None:  # the config's run: settings, by the same names
-            overrides[path] = getattr(args, flag)
+            overrides[field] = getattr(args, flag)
     from budgetq.shared.logs import register_config_secrets
 
     cfg = load_config(path, overrides)

@@ -44,6 +44,8 @@ _LATENCY = re.compile(rb'(?<!\\)"latency_s":\s*([0-9.eE+-]+)')
 # Until the fleet's rate is measured, a dataset without a budget of its own is not held back.
 UNMEASURED = 10**15
 SEED_BYTES = 1 << 20   # a restarted producer reads the last MiB of each output file for response times
+# How far ahead of its share of the progress a paced dataset may run (a fraction of the progress).
+PACE_SLACK = 0.05
 
 
 class _RowTail:
@@ -243,9 +245,13 @@ class BudgetLoop:
         Workers claim from every queue in turn, so a dataset of small weight would otherwise
         reach its share early, on the projection of that moment, and a fleet that slows later
         leaves it over its share. Its limit is its share of what has been admitted (counted +
-        in flight) plus room (a fifth of what is left, never less than two control intervals
-        of the fleet's tokens): a dataset ahead of that waits (WAIT: parked, its slots serve
-        the others), one behind admits. Never below used + in flight + half an answer: a
+        in flight) plus room (``PACE_SLACK`` of that progress, never less than two control
+        intervals of the fleet's tokens): a dataset ahead of that waits (WAIT: parked, its slots
+        serve the others), one behind admits. The room grows with the progress, not with what is
+        left, so the shares hold all along: a deadline moved in from another shell, or a fleet
+        that slows, finds no dataset far ahead of its share; and a limit moves in steps of a
+        share of the progress, so a run of any length makes a few hundred moves, not one per
+        interval. Never below used + in flight + half an answer: a
         dataset held back does not cross its limit. A dataset held at its cap (its own budget,
         or what its prompts allow) is not paced: it cannot take more than that anyway.
         """
@@ -256,7 +262,7 @@ class BudgetLoop:
         if total <= 0 or progress <= 0:
             return shares
         rate = self._rate() or 0.0
-        room = max(0.2 * (total - progress), 2 * self.run_cfg.control_interval_s * rate)
+        room = max(PACE_SLACK * progress, 2 * self.run_cfg.control_interval_s * rate)
         out = dict(shares)
         for n in paced:
             st, _q = states[n]
