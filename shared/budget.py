@@ -126,12 +126,17 @@ def adopt(ds: str, rows: list[tuple[str, int, int]]) -> ScriptCall[tuple[int, in
     return ScriptCall("adopt", keys.budget_keys(ds), args, lambda r: (int(r[0]), int(r[1])))
 
 
-def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = False) -> None:
+def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = False) -> int | None:
     """Write a dataset's budget settings; keeps counters (a restarted producer continues).
+
+    The config's budget is applied when it is new or differs from the one last applied; a
+    restart with the same config keeps a budget an operator set live (``budgetq budget set``),
+    as the deadline and the total are kept. Returns that live budget when it was kept, else None.
 
     ``keep_limit`` (a run with a deadline or a total, and a dataset without a budget): the limit
     is the producer's budget loop's to set (producer/run/budget_loop.py); it is written only if absent.
     """
+    kept = None
     pipe = client.pipeline()
     pipe.sadd(keys.DATASETS, ds.name)
     conf: dict[Any, Any] = {
@@ -142,11 +147,17 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = 
     if keep_limit or ds.budget is None:
         pipe.hsetnx(keys.conf_key(ds.name), Conf.LIMIT, ds.budget if ds.budget is not None else 0)
     else:
-        conf[Conf.LIMIT] = ds.budget
+        limit, applied = client.hmget(keys.conf_key(ds.name), [Conf.LIMIT, Conf.CFG_LIMIT])
+        if limit is not None and applied is not None and int(applied) == ds.budget and int(limit) != ds.budget:
+            kept = int(limit)  # set live since this config value was applied: the operator's word stands
+        else:
+            conf[Conf.LIMIT] = ds.budget
+        conf[Conf.CFG_LIMIT] = ds.budget
     pipe.hset(keys.conf_key(ds.name), mapping=conf)
     pipe.hsetnx(keys.conf_key(ds.name), Conf.PAUSED, "0")
     pipe.hdel(keys.conf_key(ds.name), Conf.SOURCE_ENDED)  # this producer reads the rows again
     pipe.execute()
+    return kept
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ class Conf(enum.StrEnum):
     """Fields of ``conf_key(ds)``: a dataset's settings (written by the producer and operators)."""
 
     LIMIT = "limit"                  # the token budget; reserve.lua / commit.lua compare used to it
+    CFG_LIMIT = "cfg_limit"          # the config's budget last applied: a restart with the same config
+                                     # keeps a budget set live (shared/budget.py register_dataset)
     MODE = "mode"                    # soft | strict | drain (reserve.lua's admission policy)
     COUNT = "count"                  # completion | total: what a result adds to used
     KEEP = "keep"                    # all | complete: complete sets results cut by max_tokens aside

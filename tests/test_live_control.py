@@ -151,3 +151,28 @@ def test_reconcile_after_flushing_redis_reproduces_the_counters(tmp_path, redis_
     # a second reconcile finds nothing to change
     again = {r["dataset"]: r for r in json.loads(_cli(cfg, "reconcile", "--json").stdout)}
     assert all(r["adopted"] == 0 and r["used_after"] == r["used_before"] for r in again.values())
+
+
+def test_a_restart_with_the_same_config_keeps_a_budget_set_live_and_a_new_config_value_applies(tmp_path, redis_url,
+                                                                                               conn, caplog):
+    from budgetq.producer.run.producer import Producer
+    from budgetq.shared import control
+    from budgetq.shared.config_load import load_config
+
+    write_dataset(tmp_path / "A.jsonl", 5)
+    ds = {"name": "A", "path": str(tmp_path / "A.jsonl"), "id_field": "id", "budget": 40_000}
+    cfg = load_config(write_config(tmp_path, redis_url, "http://127.0.0.1:9", [ds]), env={})
+    Producer(cfg).conn.close()
+    assert dataset_state(conn, "A").limit == 40_000
+    control.set_budget(conn, "A", 70_000)  # raised live (after the dataset ended, say)
+    with caplog.at_level("INFO", logger="budgetq.producer"):
+        Producer(cfg).conn.close()  # `budgetq produce` again, same config: the raise stands
+    assert dataset_state(conn, "A").limit == 70_000
+    assert any("budget 70.00k (set live) kept" in r.getMessage() for r in caplog.records), caplog.text
+    ds["budget"] = 50_000  # the config edited: its new value applies
+    cfg = load_config(write_config(tmp_path, redis_url, "http://127.0.0.1:9", [ds]), env={})
+    Producer(cfg).conn.close()
+    assert dataset_state(conn, "A").limit == 50_000
+    control.set_budget(conn, "A", 50_000)  # set live to what the config says: nothing to keep
+    Producer(cfg).conn.close()
+    assert dataset_state(conn, "A").limit == 50_000

@@ -338,3 +338,43 @@ def test_every_attempt_of_a_job_gets_the_same_simulated_length():
     rids = [attempt_rid("D--p1") for _ in range(5)]
     assert len({model.draw(r) for r in rids}) == 1 and model.draw(rids[0]) == model.draw("D--p1")
     assert draw_key("D--p1.0123456789ab") == "D--p1" and draw_key("D--p1.xyz") == "D--p1.xyz"
+
+
+def test_an_endpoint_whose_server_info_fails_gets_only_standard_fields_and_is_asked_again_later():
+    """A proxy answering /server_info with a 5xx (the server behind it unknown): requests carry no
+    SGLang-only value (top_k -1 would fail every prompt on a server that refuses it), and
+    /server_info is not asked again for every request."""
+    asked: list[int] = []
+    bodies: list[dict] = []
+
+    async def server_info(_request: web.Request) -> web.Response:
+        asked.append(1)
+        return web.Response(status=502, text="<html>Bad Gateway</html>", content_type="text/html")
+
+    async def chat(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        return web.json_response(_chat("stop"))
+
+    async def main() -> None:
+        app = web.Application()
+        app.add_routes([web.post("/v1/chat/completions", chat), web.get("/server_info", server_info),
+                        web.get("/health", _ok)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                client = SGLangClient(session, ServerConfig(urls=[f"http://127.0.0.1:{port}"], api="chat"))
+                try:
+                    for i in range(6):
+                        await client.complete(_payload(), f"C-c{i}")
+                    assert client.pool.endpoints[0].sglang is None
+                finally:
+                    await client.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert len(bodies) == 6 and len(asked) == 1
+    assert not any("top_k" in b or "rid" in b for b in bodies), bodies

@@ -22,7 +22,7 @@ READS = {"HGET", "HMGET"}
 # enqueued rows (producer/run/producer.py), AbandonedJobError recoveries (maintenance).
 PYTHON_STATS = {Stat.RETRIED, Stat.INVALID, Stat.RECOVERED, Stat.ENQUEUED, Stat.FILTERED}
 # Conf fields no script reads: bookkeeping for status and the producer.
-PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD, Conf.SOURCE_ENDED}
+PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD, Conf.SOURCE_ENDED, Conf.CFG_LIMIT}
 
 
 @dataclass

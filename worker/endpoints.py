@@ -47,6 +47,9 @@ from budgetq.shared.schema import JobPayload
 log = logging.getLogger("budgetq.endpoints")
 _SLACK = 2   # requests an endpoint may hold over prefix_balance x the least-loaded one's
 _DETECT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# While /server_info gives no answer (a 5xx, a timeout), it is asked again at most this often,
+# not once per request; meanwhile requests carry only standard fields (sglang_client.py).
+_DETECT_AGAIN_S = 30.0
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Endpoint:
     faults: server_faults.EndpointFaults = field(default_factory=server_faults.EndpointFaults)
     # None until asked (/server_info); True for SGLang (or api: generate, SGLang's own route).
     sglang: bool | None = None
+    asked_at: float = 0.0       # when /server_info was last asked without an answer (monotonic)
     _probe: asyncio.Task | None = field(default=None, repr=False)
     _seed: bytes = field(default=b"", repr=False)
 
@@ -153,16 +157,21 @@ class EndpointPool:
     async def is_sglang(self, ep: Endpoint) -> bool | None:
         """Whether ``ep`` is SGLang, asked once: its /server_info (SGLang's server args, with
         ``internal_states`` per DP rank) answers a JSON object. Unknown (None) while it cannot be
-        reached; api: generate is SGLang's own route, so always True there."""
+        reached (asked again after ``_DETECT_AGAIN_S``); api: generate is SGLang's own route, so
+        always True there."""
         if self._server.api == "generate":
             ep.sglang = True
         if ep.sglang is not None:
             return ep.sglang
+        if ep.asked_at and time.monotonic() - ep.asked_at < _DETECT_AGAIN_S:
+            return None
         # The first requests to an endpoint come together: one asks, the others wait for its answer.
         async with self._detecting.setdefault(ep.url, asyncio.Lock()):
-            if ep.sglang is not None:
+            if ep.sglang is not None or (ep.asked_at and time.monotonic() - ep.asked_at < _DETECT_AGAIN_S):
                 return ep.sglang
-            return await self._ask_server_info(ep)
+            found = await self._ask_server_info(ep)
+            ep.asked_at = 0.0 if found is not None else time.monotonic()
+            return found
 
     async def _ask_server_info(self, ep: Endpoint) -> bool | None:
         try:

@@ -131,8 +131,10 @@ class SGLangClient:
             ep.in_flight -= 1
 
     async def _once(self, ep: Endpoint, payload: JobPayload, rid: str) -> Completion:
+        # Unknown (its /server_info gives no answer, e.g. a proxy's 5xx): only standard fields, as to
+        # any OpenAI-style server; an SGLang-only value such a server refuses would fail the prompt.
         sglang = await self.pool.is_sglang(ep)
-        path, body = build_request(self._server, payload, rid, sglang=sglang is not False)
+        path, body = build_request(self._server, payload, rid, sglang=sglang is True)
 
         async def read(resp: aiohttp.ClientResponse, started: float) -> Completion:
             try:

@@ -50,6 +50,7 @@ from budgetq.shared.retry import REDIS_DOWN
 from budgetq.shared.sampling import resolve_datasets
 from budgetq.shared.schema import JobPayload
 from budgetq.shared.stats import Conf, Stat
+from budgetq.shared.tokens import format_tokens
 
 log = logging.getLogger("budgetq.producer")
 JOB_FUNC = "budgetq.worker.job.run_prompt"  # by name: producer never imports worker
@@ -113,7 +114,11 @@ class Producer:
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
         self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
         for ds in cfg.datasets:
-            register_dataset(self.conn, ds, keep_limit=self.budgets.active)
+            kept = register_dataset(self.conn, ds, keep_limit=self.budgets.active)
+            if kept is not None:
+                log.info("dataset %s: budget %s (set live) kept; the config's %s is the one already applied "
+                         "(change it in the config, or `budgetq budget set`, to move it)", ds.name,
+                         format_tokens(kept), format_tokens(ds.budget or 0))
             q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
             legacy = id_scheme(self.conn, ds.name) == SCHEME_MIGRATED
             if legacy:
