@@ -13,10 +13,15 @@ An endpoint is *failing* when every live worker that uses it has it ejected, or 
 answer anywhere was a fault that ends a streak of at least ``FAILING_STREAK`` (no success since):
 one refused prompt (a 400 for a prompt too long) is counted but does not make a server failing.
 Shared: the worker writes, status reads; neither imports the other.
+
+Beside it, ``stall``: the line of a fleet where nothing can move at all, every server failing or
+no live worker while prompts wait (``no worker is running: 262 prompts queued (...)``), which
+otherwise looks as quiet as a server fault did.
 """
 
 from __future__ import annotations
 
+import errno
 import html
 import json
 import re
@@ -68,11 +73,17 @@ def unreadable_reason(content_type: str | None) -> str:
 
 def transport_reason(exc: BaseException) -> str:
     """A request that got no HTTP answer: refused, timed out, dropped."""
+    # Imported here: only the worker calls this, and it has aiohttp loaded already; `budgetq status`
+    # imports this module too and need not load aiohttp for it.
+    import aiohttp
+
     name = type(exc).__name__
     cause = str(exc).lower()
     if isinstance(exc, TimeoutError) or "timeout" in name.lower():
         return "timeout"
-    if "refused" in cause or isinstance(exc, ConnectionRefusedError):
+    # aiohttp says "Connect call failed" for a refused port; the errno of the OSError it wraps says which.
+    os_error = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc
+    if (isinstance(os_error, OSError) and os_error.errno == errno.ECONNREFUSED) or "refused" in cause:
         return "connection refused"
     if "ClientConnectorError" in name or "ConnectorError" in name:
         return "cannot connect"
@@ -196,6 +207,29 @@ def diagnosis(views: list[EndpointView]) -> str | None:
     if len(messages) == 1 and (message := messages.pop()):  # the same server message everywhere
         line += f" ({message})"
     return line
+
+
+def no_worker(queued: int, running: int = 0) -> str:
+    """The one line of a fleet with prompts waiting and no live worker to take them.
+
+    ``running``: jobs still claimed by workers that are gone (their leases are renewed by nobody;
+    the next worker's maintenance requeues them)."""
+    line = f"no worker is running: {queued:,} prompt{'s' if queued != 1 else ''} queued"
+    if running:
+        line += f", {running:,} claimed by workers that are gone"
+    return line + " (start `budgetq worker -c CONFIG`)"
+
+
+def stall(views: list[EndpointView], workers: int, queued: int, running: int = 0) -> str | None:
+    """Why no prompt can move at all, in one line, or None while something can.
+
+    No live worker while prompts wait (``no_worker``), or every server some live worker uses
+    failing (``diagnosis``). Some servers failing is not a stall: the others take the prompts."""
+    if not workers and queued + running:
+        return no_worker(queued, running)
+    if views and all(v.failing for v in views):
+        return diagnosis(views)
+    return None
 
 
 def diagnose(conn: redis.Redis) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,8 +26,12 @@ from budgetq.shared.config import Config
 from budgetq.shared.ledger import is_settled, read_ledgers
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import dataset_names, describe, stream_entries, text
+from budgetq.shared.stats import Conf
 
-SCHEMA_VERSION = 2  # 2: counts.duplicate -> duplicate_result; a done dataset's tok_s is null; ledger
+# 2: counts.duplicate -> duplicate_result; a done dataset's tok_s is null; ledger.
+# 3: a held dataset's state is "held" (it was "paused") and its paused is the operator's pause only;
+#    failed_registry removed (it was ledger.failed); eta_s is null while paused, held or stalled.
+SCHEMA_VERSION = 3
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
 HISTORY_S = 600              # the tokens-over-time series covers this many seconds
 CONTROL_ENTRIES = 10         # operator actions shown
@@ -80,8 +85,41 @@ def _bucket(t: float) -> int:
     return int(t // keys.RATE_BUCKET_S) * keys.RATE_BUCKET_S
 
 
-def _state(st: DatasetState, ledger: dict[str, Any]) -> str:
-    if st.paused:
+@dataclass(frozen=True)
+class Fleet:
+    """What generation runs on: the live workers and the servers' faults as they see them."""
+
+    workers: int
+    faults: list[server_faults.EndpointView]
+
+
+def live_workers(conn: redis.Redis) -> int:
+    """Workers whose heartbeat hash has not expired (as ``worker_snapshots`` counts them)."""
+    names = [text(n) for n in conn.smembers(keys.WORKERS)]
+    if not names:
+        return 0
+    pipe = conn.pipeline(transaction=False)
+    for n in names:
+        pipe.exists(keys.worker_key(n))
+    return sum(1 for hit in pipe.execute() if hit)
+
+
+def read_fleet(conn: redis.Redis) -> Fleet:
+    return Fleet(live_workers(conn), server_faults.read(conn))
+
+
+def fleet_stall(fleet: Fleet, ledgers: Iterable[dict[str, Any]]) -> str | None:
+    """Why no prompt of these datasets can move at all, in one line (shared/server_faults.py ``stall``)."""
+    ledgers = list(ledgers)
+    return server_faults.stall(fleet.faults, fleet.workers, sum(led["queued"] for led in ledgers),
+                               sum(led["running"] for led in ledgers))
+
+
+def _state(st: DatasetState, ledger: dict[str, Any], paused: bool) -> str:
+    # A hold first: while the output disk refuses rows, `resume` would not help, the hold's reason does.
+    if st.hold:
+        return "held"
+    if paused:
         return "paused"
     if st.exhausted:
         return "draining" if st.in_flight else "done"
@@ -103,29 +141,40 @@ def _rate(st: DatasetState, buckets: dict[int, int], now: float) -> float:
 
 
 def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
-                      history_s: int = HISTORY_S) -> list[dict[str, Any]]:
-    """Budget, progress, counters, tok/s, ETA and recent history of each named dataset."""
+                      history_s: int = HISTORY_S, fleet: Fleet | None = None) -> list[dict[str, Any]]:
+    """Budget, progress, counters, tok/s, ETA and recent history of each named dataset.
+
+    ``fleet``: the workers and server faults, if the caller has read them already (else read here):
+    while the fleet is stalled no ETA is given, since nothing moves toward it."""
     names = list(names)
     states = [dataset_state(conn, n) for n in names]
     ledgers = read_ledgers(conn, names)
+    stalled = fleet_stall(fleet if fleet is not None else read_fleet(conn), ledgers.values()) is not None
     n_hist = max(history_s, TOK_S_WINDOW_S + keys.RATE_BUCKET_S) // keys.RATE_BUCKET_S
     last = _bucket(now)
     fields = [last - i * keys.RATE_BUCKET_S for i in range(n_hist - 1, -1, -1)]
     pipe = conn.pipeline(transaction=False)
     for n in names:
         pipe.hmget(keys.rate_key(n), [str(f) for f in fields])
+        # DatasetState.paused also covers a hold (workers treat both alike); status tells them apart.
+        pipe.hget(keys.conf_key(n), Conf.PAUSED)
     replies = pipe.execute()
     out = []
     for i, st in enumerate(states):
-        rate_vals = replies[i]
+        rate_vals, paused_raw = replies[2 * i], replies[2 * i + 1]
+        paused = text(paused_raw) == "1" if paused_raw is not None else False
         ledger = ledgers[st.name]
-        state = _state(st, ledger)
+        state = _state(st, ledger, paused)
         buckets = {t: _num(v) for t, v in zip(fields, rate_vals, strict=True)}
+        # The last minute's committed tokens: it falls to 0 within a minute of the last commit, so a
+        # stopped dataset shows what its requests still in flight bring, then nothing.
         tok_s: float | None = _rate(st, buckets, now)
         remaining = max(0, st.limit - st.used)
         eta: float | None
         if state == "done":
             tok_s = eta = None  # nothing more will come: no rate, no ETA (the last minute's rate would lie)
+        elif state in ("paused", "held") or stalled:
+            eta = None  # nothing is admitted (or nothing can run): the last minute's rate predicts nothing
         elif st.used >= st.limit:
             eta = 0.0
         elif tok_s:
@@ -140,7 +189,8 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
             "mode": st.mode,
             "count": st.count,
             "keep": st.keep,
-            "paused": st.paused,
+            "paused": paused,
+            "hold": st.hold or None,
             "exhausted": st.exhausted,
             "budget": st.limit,
             "used": st.used,
@@ -149,7 +199,6 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
             "reserved": st.reserved,
             "in_flight": st.in_flight,
             "queued": ledger["queued"],
-            "failed_registry": ledger["failed"],
             "max_tokens": st.max_tokens,
             "prior_mean": st.prior_mean,
             "mean_tokens": round(st.stats.get("sum_tokens", 0) / committed, 1) if committed else None,
@@ -248,9 +297,10 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
              history_s: int = HISTORY_S, control_n: int = CONTROL_ENTRIES) -> dict[str, Any]:
     """Everything an operator watches, as one JSON-able dict (schema: docs/operations.md)."""
     now = server_now(conn)
-    datasets = dataset_snapshots(conn, dataset_names(conn), now, history_s)
     workers = worker_snapshots(conn, now)
     faults = server_faults.read(conn)  # per endpoint, by reason; the one-line why of a stalled fleet
+    fleet = Fleet(len(workers), faults)
+    datasets = dataset_snapshots(conn, dataset_names(conn), now, history_s, fleet)
     return {
         "schema": SCHEMA_VERSION,
         "generated_at": round(now, 3),
@@ -272,6 +322,7 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
         "endpoints": endpoint_summary(workers, server_urls),
         "server_faults": [v.to_json() for v in faults],
         "diagnosis": server_faults.diagnosis(faults),
+        "stall": fleet_stall(fleet, (d["ledger"] for d in datasets)),
         "control": control_entries(conn, control_n),
         "plan": run_plan.status_part(conn, now),  # deadline and total (docs/budget.md); None without
     }

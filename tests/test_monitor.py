@@ -12,8 +12,9 @@ from html.parser import HTMLParser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from budgetq.producer.ops import metrics
 from budgetq.producer.ops.monitor import MonitorThread, check_bind
-from budgetq.shared import budget, keys
+from budgetq.shared import budget, keys, server_faults
 from budgetq.shared.budget import register_dataset
 from budgetq.shared.config import Config, DatasetConfig, MonitorConfig
 from budgetq.shared.errors import ConfigError
@@ -110,6 +111,58 @@ def test_refuses_a_public_bind_without_auth(redis_url):
     assert out.returncode == 2 and "not a loopback address" in out.stderr and "BUDGETQ_MONITOR_PASSWORD" in out.stderr
 
 
+DISK_FULL = "writing /data/out/H.jsonl failed: No space left on device"
+HTML_500 = "2/2 servers failing: HTTP 500 text/html (500 Internal Server Error)"
+
+
+def _seed_trouble(conn) -> None:
+    """B2 as in _seed, H held by the producer, and both servers of the worker failing with HTML 500s
+    (the second one also with a dozen more reasons than /metrics names)."""
+    _seed(conn)
+    register_dataset(conn, DatasetConfig(name="H", path="x", budget="10k", sampling={"max_tokens": 100}))
+    conn.hset(keys.conf_key("H"), "hold", DISK_FULL)
+    views = {}
+    for url, extra in (("http://sg:30000", 0), ("http://sg2:30000", metrics.MAX_REASONS + 3)):
+        f = server_faults.EndpointFaults()
+        for i in range(extra):
+            f.fault(f"HTTP {400 + i} JSON")
+        for _ in range(4):
+            f.fault("HTTP 500 text/html", "<title>500 Internal Server Error</title>")
+        views[url] = f.to_json(healthy=False)
+    pipe = conn.pipeline()
+    server_faults.publish(pipe, "w1", views, ttl_s=60)
+    pipe.execute()
+
+
+def test_holds_stalls_and_server_faults_reach_the_api_and_metrics(redis_url, conn):
+    _seed_trouble(conn)
+    mon = MonitorThread(Config(redis_url=redis_url), port=0)
+    port = mon.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        snap = json.loads(http_get(base + "/api/status")[2])
+        b2, h = snap["datasets"]
+        assert (h["state"], h["hold"], h["paused"], h["eta_s"]) == ("held", DISK_FULL, False, None)
+        assert b2["hold"] is None and b2["state"] != "held"
+        assert snap["diagnosis"] == snap["stall"] == HTML_500
+        m = _samples(http_get(base + "/metrics")[2])
+    finally:
+        mon.stop()
+    assert m[("budgetq_held", (("dataset", "H"),))] == 1 and m[("budgetq_held", (("dataset", "B2"),))] == 0
+    assert m[("budgetq_paused", (("dataset", "H"),))] == 0   # held is not an operator's pause
+    assert m[("budgetq_stalled", ())] == 1
+    assert m[("budgetq_endpoint_failing", (("endpoint", "http://sg:30000"),))] == 1
+
+    def faults(url: str) -> dict[str, float]:
+        return {dict(labels)["reason"]: v for (name, labels), v in m.items()
+                if name == "budgetq_endpoint_faults" and dict(labels)["endpoint"] == url}
+
+    assert faults("http://sg:30000") == {"HTTP 500 text/html": 4}
+    capped = faults("http://sg2:30000")  # 16 reasons: the 12 most frequent by name, the rest summed
+    assert len(capped) == metrics.MAX_REASONS + 1 and capped["HTTP 500 text/html"] == 4
+    assert capped["(other)"] == 4 and sum(capped.values()) == 4 + metrics.MAX_REASONS + 3
+
+
 class _Rows(HTMLParser):
     """Collects the dataset rows and chart lines of the rendered DOM."""
 
@@ -118,9 +171,32 @@ class _Rows(HTMLParser):
         self.datasets: dict[str, dict[str, str]] = {}
         self.lines: set[str] = set()
         self.rendered = False
+        self.alerts: list[str] = []        # the lines of <div id="alerts">
+        self.states: dict[str, str] = {}   # dataset -> its state cell's text
+        self.faults: dict[str, str] = {}   # endpoint -> its faults cell's text
+        self._in: tuple[str, str] | None = None
+        self._row: tuple[str, str] | None = None
+        self._depth = 0                    # open <div>s inside #alerts
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if tag == "div" and a.get("id") == "alerts":
+            self._in = ("alerts", "")
+            self._depth = 0
+        elif tag == "div" and self._in and self._in[0] == "alerts":
+            self.alerts.append("")
+            self._depth += 1
+        if tag == "tr":
+            self._row = (("ds", a["data-dataset"]) if "data-dataset" in a
+                         else ("ep", a["data-endpoint"]) if "data-endpoint" in a else None)
+        if tag == "td" and self._row:
+            classes = (a.get("class") or "").split()
+            if self._row[0] == "ds" and any(c.startswith("state-") for c in classes):
+                self.states[self._row[1]] = ""
+                self._in = ("state", self._row[1])
+            elif self._row[0] == "ep" and "faults" in classes:
+                self.faults[self._row[1]] = ""
+                self._in = ("faults", self._row[1])
         if tag == "tr" and "data-dataset" in a:
             self.datasets[a["data-dataset"]] = a
         if tag == "polyline" and a.get("data-dataset"):
@@ -128,12 +204,59 @@ class _Rows(HTMLParser):
         if tag == "body" and a.get("data-rendered"):
             self.rendered = True
 
+    def handle_endtag(self, tag):
+        if tag == "td" and self._in and self._in[0] in ("state", "faults"):
+            self._in = None
+        if tag == "div" and self._in and self._in[0] == "alerts":
+            if self._depth == 0:   # the end of #alerts itself
+                self._in = None
+            self._depth -= 1
+
+    def handle_data(self, data):
+        if not self._in:
+            return
+        kind, key = self._in
+        if kind == "alerts" and self.alerts:
+            self.alerts[-1] += data
+        elif kind == "state":
+            self.states[key] += data
+        elif kind == "faults":
+            self.faults[key] += data
+
 
 def _chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):
             return path
     pytest.skip("chromium not installed (.ci/run installs Debian's chromium package)")
+
+
+def _dump_dom(browser: str, url: str) -> str:
+    with tempfile.TemporaryDirectory() as profile:
+        out = subprocess.run(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom", url],
+            capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_page_shows_the_hold_the_diagnosis_and_the_faults_in_headless_chromium(redis_url, conn):
+    browser = _chromium()
+    _seed_trouble(conn)
+    mon = MonitorThread(Config(redis_url=redis_url), port=0)
+    port = mon.start()
+    try:
+        dom = _Rows()
+        dom.feed(_dump_dom(browser, f"http://127.0.0.1:{port}/"))
+    finally:
+        mon.stop()
+    assert dom.rendered, "the page's script did not render a snapshot"
+    assert dom.states == {"B2": "idle", "H": "held"}
+    assert dom.alerts == [HTML_500, f"held by the producer: H: output_dir: {DISK_FULL}; workers take no new prompts "
+                                    "until it has room (a stopped producer's hold ends at the next budgetq produce)"]
+    assert dom.faults["http://sg:30000"] == "HTTP 500 text/html x4"
 
 
 def test_page_renders_a_live_run_in_headless_chromium(tmp_path, redis_url, conn, sim_factory):

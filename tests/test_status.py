@@ -78,14 +78,14 @@ def _seed(conn) -> float:
 def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     now = _seed(conn)
     snap = snapshot(conn, redis_url, ["http://gpu-a:30000", "http://gpu-c:30000"], history_s=600)
-    assert snap["schema"] == 2 and snap["history_s"] == 600
+    assert snap["schema"] == 3 and snap["history_s"] == 600
     assert abs(snap["generated_at"] - now) < 60
     a1, b2 = snap["datasets"]
     assert (a1["dataset"], a1["budget"], a1["used"], a1["in_flight"]) == ("A1", 10_000, 800, 1)
     assert a1["reserved"] == int(conn.get(keys.reserved_key("A1"))) > 0
     assert a1["state"] == "running" and a1["mode"] == "soft" and not a1["paused"] and not a1["exhausted"]
     assert a1["used_pct"] == 8.0 and a1["remaining"] == 9200 and a1["mean_tokens"] == 400.0
-    assert a1["queued"] == 3 and a1["failed_registry"] == 1
+    assert a1["queued"] == 3 and a1["ledger"]["failed"] == 1 and a1["hold"] is None and "failed_registry" not in a1
     assert a1["counts"] == {**{f: 0 for f in COUNT_FIELDS}, "committed": 2, "skipped": 4, "invalid": 2}
     assert a1["tokens"] == {"counted": 800, "generated": 900, "wasted": 100}
     # 600 tokens in the last minute (the bucket 120 s ago is outside the window)
@@ -112,6 +112,7 @@ def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     assert snap["control"][0] | {"id": None} == {"id": None, "ts": now - 8, "who": "ops@host", "action": "resume",
                                                  "dataset": "A1", "old": "2", "new": "3"}
     assert snap["totals"]["workers"] == 2 and snap["totals"]["used"] == 800 + 1900
+    assert snap["stall"] is None and snap["diagnosis"] is None  # live workers, no server fault
     json.dumps(snap)  # JSON-able as is
 
 
@@ -122,7 +123,7 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
     snap = json.loads(out.stdout)
     assert [d["dataset"] for d in snap["datasets"]] == ["A1", "B2"] and len(snap["datasets"][0]["history"]) == 12
     assert set(snap) == {"schema", "generated_at", "redis", "redis_tls", "history_s", "totals", "datasets",
-                         "workers", "endpoints", "server_faults", "diagnosis", "control", "plan"}
+                         "workers", "endpoints", "server_faults", "diagnosis", "stall", "control", "plan"}
     assert snap["plan"] is None  # neither a deadline nor a total
 
     text = _cli("status", "--redis-url", redis_url)
@@ -165,7 +166,7 @@ def test_status_json_against_a_live_run(tmp_path, redis_url, conn, sim_factory):
         assert d["used"] == sum(r["completion_tokens"] for r in out_rows) == int(conn.get(keys.used_key(name)))
         assert d["counts"]["committed"] == len(out_rows) == stats["committed"]
         assert d["counts"]["skipped"] == stats.get("skipped", 0)
-        assert (d["in_flight"], d["reserved"], d["queued"], d["failed_registry"]) == (0, 0, 0, 0)
+        assert (d["in_flight"], d["reserved"], d["queued"], d["ledger"]["failed"]) == (0, 0, 0, 0)
         assert d["used_pct"] == round(100 * d["used"] / d["budget"], 3)
         # used never goes down between snapshots of one run
         used_seen = [s_d["used"] for s in seen for s_d in s["datasets"] if s_d["dataset"] == name]
@@ -236,3 +237,96 @@ def test_status_over_tls_with_a_password(tmp_path):
         client.close()
         proc.terminate()
         proc.wait(10)
+
+
+# -- held, paused and stalled datasets: a state that says why, and no ETA ---------------------------
+DISK_FULL = "writing /data/out/A.jsonl failed: No space left on device"
+
+
+def _moving(conn, name: str, queued: int) -> None:
+    """A dataset with ``queued`` jobs waiting and 600 tokens committed in the last minute (a rate, an ETA)."""
+    register_dataset(conn, DatasetConfig(name=name, path="x", budget="10k", sampling={"max_tokens": 500}))
+    q = Queue(keys.queue_name(name), connection=conn, serializer=JSONSerializer)
+    for i in range(queued):
+        q.enqueue("budgetq.worker.job.run_prompt", {"id": f"q{i}"}, job_id=f"{name}-q{i}")
+    now = conn.time()[0]
+    conn.hset(keys.conf_key(name), "registered_at", now - 1000)
+    conn.hset(keys.rate_key(name), str(now // keys.RATE_BUCKET_S * keys.RATE_BUCKET_S - 10), 600)
+
+
+def _live_worker(conn, name: str = "w1") -> None:
+    _worker_hash(conn, name, {"http://gpu-a:30000": {"healthy": True, "in_flight": 0, "failures": 0,
+                                                     "ejected_since": None}}, in_flight=0,
+                 started_at=float(conn.time()[0]))
+
+
+def test_a_held_dataset_says_held_with_its_reason_and_has_no_eta(conn, redis_url):
+    for name in ("A", "P", "R"):
+        _moving(conn, name, queued=2)
+    _live_worker(conn)
+    conn.hset(keys.conf_key("A"), "hold", DISK_FULL)  # as the producer's disk guard (or a killed producer) left it
+    conn.hset(keys.conf_key("P"), "paused", "1")      # an operator's pause
+    snap = snapshot(conn, redis_url)
+    a, p, r = snap["datasets"]
+    assert (a["state"], a["hold"], a["paused"]) == ("held", DISK_FULL, False)
+    assert (p["state"], p["hold"], p["paused"]) == ("paused", None, True)
+    assert (r["state"], r["hold"], r["paused"]) == ("running", None, False)
+    for d in (a, p):  # nothing is admitted: the last minute's rate is what it was, but no ETA
+        assert d["tok_s"] and d["tok_s"] > 0 and d["eta_s"] is None, d
+    assert r["tok_s"] and r["eta_s"] == pytest.approx((10_000 - 0) / r["tok_s"], rel=0.01)
+    assert snap["stall"] is None  # a worker is live: held is not a stall, it has its own reason
+
+    out = _cli("status", "--redis-url", redis_url)
+    assert out.returncode == 0, out.stderr
+    hold_line = (f"held by the producer: A: output_dir: {DISK_FULL}; workers take no new prompts until it has room "
+                 "(a stopped producer's hold ends at the next `budgetq produce`)")
+    assert hold_line in out.stdout.splitlines(), out.stdout
+    assert " held " in next(line for line in out.stdout.splitlines() if "│ A " in line)
+    assert json.loads(_cli("status", "--redis-url", redis_url, "--json").stdout)["datasets"][0]["hold"] == DISK_FULL
+
+
+def test_queued_prompts_and_no_worker_is_a_stall_said_in_one_line(conn, redis_url):
+    _moving(conn, "A", queued=3)
+    conn.sadd(keys.WORKERS, "w-dead")  # registered once, its heartbeat hash expired: not a live worker
+    snap = snapshot(conn, redis_url)
+    line = "no worker is running: 3 prompts queued (start `budgetq worker -c CONFIG`)"
+    assert snap["stall"] == line and snap["diagnosis"] is None
+    (a,) = snap["datasets"]
+    assert a["state"] == "running" and a["tok_s"] > 0 and a["eta_s"] is None, a  # nothing moves: no ETA
+    out = _cli("status", "--redis-url", redis_url)
+    assert out.returncode == 0 and line in out.stdout.splitlines(), out.stdout + out.stderr
+
+    _live_worker(conn)  # a worker comes: no stall, an ETA again
+    snap = snapshot(conn, redis_url)
+    assert snap["stall"] is None and snap["datasets"][0]["eta_s"] is not None
+
+
+def test_every_server_failing_is_a_stall_some_failing_is_not(conn, redis_url):
+    from budgetq.shared import server_faults
+
+    _moving(conn, "A", queued=3)
+    _live_worker(conn)
+
+    def publish(failing: list[str], ok: list[str]) -> None:
+        views = {}
+        for url in failing:
+            f = server_faults.EndpointFaults()
+            for _ in range(server_faults.FAILING_STREAK):
+                f.fault("HTTP 502 text/html", "<title>502 Bad Gateway</title>")
+            views[url] = f.to_json(healthy=False)
+        for url in ok:
+            f = server_faults.EndpointFaults()
+            f.ok()
+            views[url] = f.to_json(healthy=True)
+        pipe = conn.pipeline()
+        server_faults.publish(pipe, "w1", views, ttl_s=30)
+        pipe.execute()
+
+    publish(["http://gpu-a:30000", "http://gpu-b:30000"], [])
+    snap = snapshot(conn, redis_url)
+    assert snap["stall"] == snap["diagnosis"] == "2/2 servers failing: HTTP 502 text/html (502 Bad Gateway)"
+    assert snap["datasets"][0]["eta_s"] is None
+    publish(["http://gpu-a:30000"], ["http://gpu-b:30000"])  # one still answers: slower, not stalled
+    snap = snapshot(conn, redis_url)
+    assert snap["diagnosis"] == "1/2 servers failing: HTTP 502 text/html (502 Bad Gateway)"
+    assert snap["stall"] is None and snap["datasets"][0]["eta_s"] is not None

@@ -13,7 +13,8 @@ from budgetq.shared.status import format_duration
 from budgetq.shared.tokens import format_tokens
 
 BAR_WIDTH = 12
-_STATE_STYLE = {"paused": "yellow", "done": "green", "draining": "magenta", "running": "cyan", "idle": "dim"}
+_STATE_STYLE = {"held": "bold red", "paused": "yellow", "done": "green", "draining": "magenta", "running": "cyan",
+                "idle": "dim"}
 
 
 def text_bar(pct: float | None, width: int = BAR_WIDTH) -> Text:
@@ -48,6 +49,18 @@ def datasets_table(snap: dict[str, Any]) -> Table:
     if not snap["datasets"]:
         t.add_row("(no dataset registered)", *[""] * 14)
     return t
+
+
+def hold_lines(snap: dict[str, Any]) -> list[Text]:
+    """One line per hold reason under the datasets table: a held dataset's workers sit idle, and
+    ``resume`` does not help; the reason says what to fix."""
+    by_reason: dict[str, list[str]] = {}
+    for d in snap["datasets"]:
+        if d.get("hold"):
+            by_reason.setdefault(d["hold"], []).append(d["dataset"])
+    return [Text(f"held by the producer: {', '.join(names)}: output_dir: {reason}; workers take no new prompts "
+                 "until it has room (a stopped producer's hold ends at the next `budgetq produce`)", style="red")
+            for reason, names in by_reason.items()]
 
 
 def ledger_cell(led: dict[str, Any]) -> Text:
@@ -130,7 +143,11 @@ def render(snap: dict[str, Any]) -> RenderableType:
         f"  used {format_tokens(tot['used'])} / {format_tokens(tot['budget'])}",
         f"  {tot['tok_s']:,.0f} tok/s  in flight {tot['in_flight']:,}",
         f"  workers {tot['workers']} ({tot['worker_slots']:,} slots)")
-    parts: list[RenderableType] = [head, datasets_table(snap), workers_table(snap), endpoints_table(snap)]
+    parts: list[RenderableType] = [head, datasets_table(snap), *hold_lines(snap), workers_table(snap),
+                                   endpoints_table(snap)]
+    stall = snap.get("stall")
+    if stall and stall != snap.get("diagnosis"):  # no worker for the queued prompts (shared/server_faults.py)
+        parts.insert(1, Text(stall, style="bold red"))
     if snap.get("diagnosis"):  # why the servers fail, in one line (shared/server_faults.py)
         parts.insert(1, Text(snap["diagnosis"], style="bold red"))
     if snap.get("plan"):  # a deadline or a total: countdown and projected finish (budgetq/cli/plan.py)

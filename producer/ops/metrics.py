@@ -25,8 +25,11 @@ _DATASET_GAUGES = (
     ("budgetq_reserved_tokens", "Tokens reserved by requests in flight.", "reserved"),
     ("budgetq_in_flight", "Requests of the dataset in flight at the servers.", "in_flight"),
     ("budgetq_queued_jobs", "Jobs waiting in the dataset's RQ queue.", "queued"),
-    ("budgetq_failed_registry_jobs", "Jobs in RQ's failed registry (retryable with retry-failed).", "failed_registry"),
 )
+# Reasons named per endpoint in budgetq_endpoint_faults; the rest are summed under "(other)". Reasons
+# are a small vocabulary (HTTP status and body type, timeout, refused, ...) but a fallback is an
+# exception's class name: the cap keeps one odd server from growing the label set without bound.
+MAX_REASONS = 12
 
 
 class SnapshotCollector:
@@ -54,7 +57,12 @@ class SnapshotCollector:
         unaccounted = GaugeMetricFamily("budgetq_ledger_unaccounted_prompts", "Entered minus the sum of the "
                                         "states: 0 when every prompt is accounted for (absent for a dataset whose "
                                         "state predates the ledger).", labels=["dataset"])
-        paused = GaugeMetricFamily("budgetq_paused", "1 while the dataset is paused.", labels=["dataset"])
+        failed_registry = GaugeMetricFamily("budgetq_failed_registry_jobs", "Jobs in RQ's failed registry "
+                                            "(retryable with retry-failed).", labels=["dataset"])
+        paused = GaugeMetricFamily("budgetq_paused", "1 while an operator has paused the dataset.",
+                                   labels=["dataset"])
+        held = GaugeMetricFamily("budgetq_held", "1 while the producer holds the dataset's admissions (the output "
+                                 "disk is full or read-only; the reason is in status).", labels=["dataset"])
         exhausted = GaugeMetricFamily("budgetq_exhausted", "1 once no new request can be admitted.",
                                       labels=["dataset"])
         jobs = CounterMetricFamily("budgetq_jobs", "Job events, cumulative (how often each happened; where the "
@@ -65,6 +73,8 @@ class SnapshotCollector:
             if d["tok_s"] is not None:
                 tok_s.add_metric([d["dataset"]], float(d["tok_s"]))
             led = d["ledger"]
+            # The failed registry is the ledger's "failed" (the snapshot's failed_registry until schema 3).
+            failed_registry.add_metric([d["dataset"]], float(led["failed"]))
             for state in STATES:
                 ledger.add_metric([d["dataset"], state], float(led[state]))
             entered.add_metric([d["dataset"]], float(led["entered"]))
@@ -73,12 +83,16 @@ class SnapshotCollector:
             if d["eta_s"] is not None:
                 eta.add_metric([d["dataset"]], float(d["eta_s"]))
             paused.add_metric([d["dataset"]], 1.0 if d["paused"] else 0.0)
+            held.add_metric([d["dataset"]], 1.0 if d["hold"] else 0.0)
             exhausted.add_metric([d["dataset"]], 1.0 if d["exhausted"] else 0.0)
             for state in COUNT_FIELDS:
                 jobs.add_metric([d["dataset"], state], float(d["counts"][state]))
             for kind in ("generated", "wasted"):
                 tokens.add_metric([d["dataset"], kind], float(d["tokens"][kind]))
-        yield from (tok_s, eta, ledger, entered, unaccounted, paused, exhausted, jobs, tokens)
+        yield from (failed_registry, tok_s, eta, ledger, entered, unaccounted, paused, held, exhausted, jobs, tokens)
+        yield GaugeMetricFamily("budgetq_stalled", "1 while no prompt can move: no live worker while prompts "
+                                "wait, or every server failing (the line is the snapshot's stall).",
+                                value=1.0 if self.snap["stall"] else 0.0)
 
         yield GaugeMetricFamily("budgetq_workers", "Live workers.", value=float(len(self.snap["workers"])))
         w_in = GaugeMetricFamily("budgetq_worker_in_flight", "Jobs a worker has in flight.", labels=["worker"])
@@ -110,8 +124,29 @@ class SnapshotCollector:
             e_prompt.add_metric([e["url"]], float(e.get("prompt_tokens", 0)))
             e_cached.add_metric([e["url"]], float(e.get("cached_tokens", 0)))
         yield from (e_prompt, e_cached)
+        yield from _faults(self.snap["server_faults"])
         yield GaugeMetricFamily("budgetq_snapshot_timestamp_seconds", "Redis time of this snapshot.",
                                 value=float(self.snap["generated_at"]))
+
+
+def _faults(views: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Failed answers per endpoint and reason, and whether the endpoint counts as failing."""
+    failing = GaugeMetricFamily("budgetq_endpoint_failing", "1 while the endpoint fails (every live worker has "
+                                "it ejected, or its last answers were faults); see the snapshot's diagnosis.",
+                                labels=["endpoint"])
+    # A gauge, not a counter: the sum is over live workers' lifetimes, so it drops when a worker leaves
+    # (a counter that goes down would read as a reset to rate()).
+    faults = GaugeMetricFamily("budgetq_endpoint_faults", "Failed answers of the endpoint by reason, summed over "
+                               "live workers' lifetimes.", labels=["endpoint", "reason"])
+    for v in views:
+        failing.add_metric([v["url"]], 1.0 if v["failing"] else 0.0)
+        ranked = sorted(v["counts"].items(), key=lambda kv: (-kv[1], kv[0]))
+        named, rest = ranked[:MAX_REASONS], ranked[MAX_REASONS:]
+        for reason, n in named:
+            faults.add_metric([v["url"], reason], float(n))
+        if rest:
+            faults.add_metric([v["url"], "(other)"], float(sum(n for _r, n in rest)))
+    yield from (failing, faults)
 
 
 def render(snap: dict[str, Any]) -> bytes:

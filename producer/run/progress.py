@@ -16,14 +16,18 @@ import redis
 
 from budgetq.shared import server_faults
 from budgetq.shared.config import Config
-from budgetq.shared.ledger import STATES
-from budgetq.shared.status import dataset_snapshots, format_duration, server_now
+from budgetq.shared.ledger import STATES, read_ledgers
+from budgetq.shared.status import dataset_snapshots, format_duration, read_fleet, server_now
 from budgetq.shared.tokens import format_tokens
 
 log = logging.getLogger("budgetq.progress")
 BAR_REFRESH_S = 0.5
 FAULTS_EVERY_S = 5.0     # how often the servers' faults are read (shared/server_faults.py)
 FAULTS_REPEAT_S = 30.0   # an unchanged diagnosis is said again this often: a stall never looks quiet
+# Prompts queued and no live worker is said once it lasted this long: workers started beside the
+# producer (compose) take a few seconds to register, and that is not worth a warning.
+NO_WORKER_GRACE_S = 10.0
+_NO_WORKER = "no worker"  # what is said, for the repeat rule: the line itself changes with the count
 
 
 class ProgressReporter:
@@ -46,7 +50,9 @@ class ProgressReporter:
         self._tasks: dict[str, Any] = {}
         self._rehomed: list[tuple[logging.StreamHandler, TextIO]] = []
         self._faults_read = float("-inf")
-        self._said: tuple[str | None, float] = (None, float("-inf"))
+        self._said: tuple[str | None, float] = (None, float("-inf"))  # (what was said last, when)
+        self._no_worker_since: float | None = None
+        self.no_worker_grace_s = NO_WORKER_GRACE_S
 
     def _read(self) -> list[dict[str, Any]] | None:
         try:
@@ -56,7 +62,7 @@ class ProgressReporter:
             return None
 
     def update(self, force: bool = False) -> None:
-        self._servers(time.monotonic(), force)
+        self._fleet(time.monotonic(), force)
         if self.mode == "off" or not self.names:
             return
         now = time.monotonic()
@@ -72,24 +78,44 @@ class ProgressReporter:
             for d in snaps:
                 self._log_line(d)
 
-    def _servers(self, now: float, force: bool = False) -> None:
-        """Say in one line why the servers fail (``2/2 servers failing: HTTP 500 text/html``): when
-        it starts, when it changes, every FAULTS_REPEAT_S while it lasts, and when it ends."""
+    def _fleet(self, now: float, force: bool = False) -> None:
+        """Say in one line why nothing lands: the servers fail (``2/2 servers failing: HTTP 500
+        text/html``) or no worker takes the queued prompts (``no worker is running: 262 prompts
+        queued (...)``); when it starts, when it changes, every FAULTS_REPEAT_S while it lasts, and
+        when it ends."""
         if not force and now - self._faults_read < FAULTS_EVERY_S:
             return
         self._faults_read = now
         try:
-            line = server_faults.diagnose(self.conn)
+            fleet = read_fleet(self.conn)
+            ledgers = read_ledgers(self.conn, self.names).values() if not fleet.workers else []
         except redis.RedisError as exc:
-            log.debug("progress: cannot read server faults: %s", exc)
+            log.debug("progress: cannot read the workers and server faults: %s", exc)
             return
+        line = server_faults.diagnosis(fleet.faults)
+        key = line
+        queued, running = sum(led["queued"] for led in ledgers), sum(led["running"] for led in ledgers)
+        if fleet.workers or not queued + running:
+            self._no_worker_since = None
+        elif line is None:
+            if self._no_worker_since is None:
+                self._no_worker_since = now
+            if now - self._no_worker_since >= self.no_worker_grace_s:
+                line, key = server_faults.no_worker(queued, running), _NO_WORKER
         said, at = self._said
-        if line is not None and (line != said or now - at >= FAULTS_REPEAT_S):
+        if key is not None and (key != said or now - at >= FAULTS_REPEAT_S):
             log.warning("%s", line)
-            self._said = (line, now)
-        elif line is None and said is not None:
-            log.warning("servers answer again")
-            self._said = (None, now)
+            self._said = (key, now)
+        elif key is None and said is not None:
+            if fleet.workers:
+                if said == _NO_WORKER:
+                    log.warning("%d worker%s running now", fleet.workers, "s" if fleet.workers != 1 else "")
+                else:
+                    log.warning("servers answer again")
+                self._said = (None, now)
+            elif not queued + running:  # no worker, but nothing waits either: nothing to say
+                self._said = (None, now)
+            # else no worker is left to see the servers: the no-worker line follows once its grace is over
 
     def close(self) -> None:
         """A last update (every dataset's final numbers), then release the terminal."""
@@ -107,6 +133,8 @@ class ProgressReporter:
         led = d["ledger"]
         pct = d["used_pct"] if d["used_pct"] is not None else 0.0
         rate = "done" if d["tok_s"] is None else f"{d['tok_s']:.0f} tok/s, ETA {format_duration(d['eta_s'])}"
+        if d["state"] in ("paused", "held"):  # why the ETA is "-" (the hold's reason is the producer's own line)
+            rate = f"{d['state']}, {rate}"
         log.info("progress %s %.2f%% (%s / %s tokens, %s)", d["dataset"], pct,
                  format_tokens(d["used"]), format_tokens(d["budget"]), rate,
                  extra={"dataset": d["dataset"], "state": d["state"], "used": d["used"], "budget": d["budget"],
