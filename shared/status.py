@@ -93,15 +93,46 @@ class Fleet:
     faults: list[server_faults.EndpointView]
 
 
-def live_workers(conn: redis.Redis) -> int:
-    """Workers whose heartbeat hash has not expired (as ``worker_snapshots`` counts them)."""
-    names = [text(n) for n in conn.smembers(keys.WORKERS)]
+# A worker that has not refreshed its hash for this long (and three of its publish intervals) is
+# taken for gone, before its hash expires (2 x heartbeat_ttl_s, a minute by default): a killed
+# worker then shows in `status` and produce's stall line within seconds, not a minute.
+SILENT_S = 10.0
+
+
+def is_live(fields: dict[str, str], pttl_ms: int) -> bool:
+    """Whether a worker hash (and its remaining TTL, ms) belongs to a worker still publishing. The
+    age comes from the TTL the worker set at its last publish (its ``expire_s``): Redis's clock,
+    whatever the hosts' clocks say. A hash without ``expire_s`` (an older worker) is live while it exists."""
+    if not fields or pttl_ms == -2:
+        return False
+    expire_s = _num(fields.get("expire_s"), float, None)
+    if expire_s is None or pttl_ms < 0:
+        return True
+    silent_s = expire_s - pttl_ms / 1000
+    return silent_s <= max(SILENT_S, 3 * (_num(fields.get("publish_s"), float, 1.0) or 1.0))
+
+
+def _worker_hashes(conn: redis.Redis) -> list[tuple[str, dict[str, str]]]:
+    """(name, fields) of every live worker."""
+    names = sorted(text(n) for n in conn.smembers(keys.WORKERS))
     if not names:
-        return 0
+        return []
     pipe = conn.pipeline(transaction=False)
     for n in names:
-        pipe.exists(keys.worker_key(n))
-    return sum(1 for hit in pipe.execute() if hit)
+        pipe.hgetall(keys.worker_key(n))
+        pipe.pttl(keys.worker_key(n))
+    replies = pipe.execute()
+    out = []
+    for i, name in enumerate(names):
+        fields = {text(k): text(v) for k, v in replies[2 * i].items()}
+        if is_live(fields, int(replies[2 * i + 1])):
+            out.append((name, fields))
+    return out
+
+
+def live_workers(conn: redis.Redis) -> int:
+    """Workers still publishing (as ``worker_snapshots`` counts them)."""
+    return len(_worker_hashes(conn))
 
 
 def read_fleet(conn: redis.Redis) -> Fleet:
@@ -214,16 +245,9 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
 
 
 def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
-    """Live workers (a name whose hash has expired is a dead worker and is left out)."""
-    names = sorted(text(n) for n in conn.smembers(keys.WORKERS))
-    pipe = conn.pipeline(transaction=False)
-    for n in names:
-        pipe.hgetall(keys.worker_key(n))
+    """Live workers (a name whose hash has expired, or gone silent, is a dead worker and is left out)."""
     out = []
-    for name, raw in zip(names, pipe.execute(), strict=True):
-        if not raw:
-            continue
-        h = {text(k): text(v) for k, v in raw.items()}
+    for name, h in _worker_hashes(conn):
         try:
             eps = json.loads(h.get("endpoints") or "{}")
         except ValueError:

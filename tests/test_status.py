@@ -330,3 +330,22 @@ def test_every_server_failing_is_a_stall_some_failing_is_not(conn, redis_url):
     snap = snapshot(conn, redis_url)
     assert snap["diagnosis"] == "1/2 servers failing: HTTP 502 text/html (502 Bad Gateway)"
     assert snap["stall"] is None and snap["datasets"][0]["eta_s"] is not None
+
+
+def test_a_worker_that_stopped_publishing_is_gone_before_its_hash_expires(conn, redis_url):
+    from budgetq.shared.status import SILENT_S, is_live
+
+    _moving(conn, "A", queued=3)
+    fields = {"host": "h", "pid": "1", "started_at": "1", "expire_s": "60", "publish_s": "1"}
+    conn.hset(keys.worker_key("w-killed"), mapping=fields)
+    conn.sadd(keys.WORKERS, "w-killed")
+    conn.expire(keys.worker_key("w-killed"), 60)  # just published
+    assert snapshot(conn, redis_url)["stall"] is None
+    conn.expire(keys.worker_key("w-killed"), int(60 - SILENT_S - 2))  # silent for 12 s: SIGKILLed
+    snap = snapshot(conn, redis_url)
+    assert snap["workers"] == [] and snap["stall"].startswith("no worker is running: 3 prompts queued"), snap
+    # the age is read from the TTL on Redis's clock; a worker of an older version (no expire_s)
+    # is live while its hash exists
+    assert is_live({"expire_s": "60", "publish_s": "5"}, 60_000 - 14_000)  # 3 publish intervals: not yet
+    assert not is_live({"expire_s": "60", "publish_s": "1"}, 60_000 - 11_000)
+    assert is_live({"host": "h"}, 5_000) and not is_live({}, -2)

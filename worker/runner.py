@@ -223,7 +223,10 @@ class ConcurrentWorker:
         fields: dict[Any, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
                   "concurrency": self.concurrency, "in_flight": self.slots.held, "claimed": len(self.jobs),
                   "processed": self.processed, "endpoints": json.dumps(self.client.pool.snapshot()),
-                  "round_trips": self.round_trips}
+                  "round_trips": self.round_trips,
+                  # the hash's TTL, set below at every publish: a reader tells a silent worker from
+                  # its remaining TTL, on Redis's clock (shared/status.py is_live)
+                  "expire_s": self.ttl * 2, "publish_s": max(1.0, self.cfg.worker.control_interval_s)}
         self.other_round_trips += 1
         async with self.aconn.pipeline(transaction=False) as p:
             p.hset(keys.worker_key(self.name), mapping=fields)
