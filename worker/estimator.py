@@ -15,6 +15,9 @@ admitted, and they are aborted at the crossing. On a 2M budget with 256 in fligh
 bias threw away ~13% of the generated tokens (bench/end_game.py); counting the running
 requests as "at least g" removes it. g is estimated from elapsed time and the observed
 per-request decode rate.
+
+Written here rather than with lifelines' KaplanMeierFitter: that would bring pandas and scipy
+into every worker for a product over 64 histogram bins, recomputed each control interval.
 """
 
 from __future__ import annotations
