@@ -5,8 +5,8 @@ to Redis: redis-py retries a command for a few seconds on its own (see redis_con
 ``retry_redis`` keeps going beyond that, logging once per outage instead of once per try.
 
 Not tenacity or backoff: the policy is a few lines, and what it must do around them (one log
-line per outage, never retry a FatalRequestError, the same delays for the async HTTP client and
-the sync Redis loops, a Redis client rebuilt between tries) would be as long written as their hooks.
+line per outage and one when it ends, a stop request that ends the wait at once, the same
+jittered delays for the HTTP client's attempts) would be as long written as their hooks.
 """
 
 from __future__ import annotations
