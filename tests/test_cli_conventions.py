@@ -59,7 +59,7 @@ def test_tables_are_never_cut_off_a_terminal(redis_url, conn):
     assert out.returncode == 0, out.stderr
     assert all(n in out.stdout for n in names) and "…" not in out.stdout, out.stdout
     summary = subprocess.run(
-        [sys.executable, "-c", "from budgetq.cli import print_summary; print_summary([dict(dataset='"
+        [sys.executable, "-c", "from budgetq.cli.main import print_summary; print_summary([dict(dataset='"
          + names[0] + "', budget=10, used=5, rows=1, skipped=0, aborted=0, failed=0, invalid=0, filtered=0, "
          "queued=0, running=0, truncated=0, duplicate_ids=0, unaccounted=0, "
          "wasted_tokens=0, stop='rows exhausted')])"], cwd=ROOT, env=_env(), capture_output=True, text=True,
