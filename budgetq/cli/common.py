@@ -4,6 +4,7 @@ flag types, and writing to stdout (full-width tables off a terminal, frames flus
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -131,15 +132,33 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def stdout_console() -> Console:
-    """The console for tables on stdout: the terminal's width on a terminal, else never cut."""
+@functools.cache
+def _console_class() -> type[Console]:
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH, soft_wrap=False)
+    class StdoutConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own handler exits with status 1 and says nothing; main() turns a closed
+            # stdout into the quiet 141 every command keeps (docs/cli.md).
+            self.quiet = True
+            raise BrokenPipeError
+
+    return StdoutConsole
+
+
+def stdout_console(min_width: int = 0) -> Console:
+    """The console for tables on stdout: the terminal's width (at least ``min_width``) on a
+    terminal, else never cut. A closed stdout raises BrokenPipeError from its print()."""
+    console = _console_class()
+    if not sys.stdout.isatty():
+        return console(width=PIPE_WIDTH, soft_wrap=False)
+    on_terminal = console()
+    return console(width=min_width) if on_terminal.width < min_width else on_terminal
 
 
 def watch(frame: Callable[[], RenderableType], interval: float, console: Console | None = None) -> int:
-    """Redraw ``frame()`` every ``interval`` s until interrupted (SIGINT, SIGTERM, a closed pipe).
+    """Redraw ``frame()`` every ``interval`` s until interrupted (SIGINT, SIGTERM: status 0); a
+    closed stdout raises BrokenPipeError (main() ends the command with 141).
 
     On a terminal: in place (rich Live). Otherwise (``> file``, ``| tee``): each frame printed
     whole and flushed at once, so the file holds every frame up to the moment it is stopped

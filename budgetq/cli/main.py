@@ -42,14 +42,11 @@ BROKEN_PIPE_STATUS = 141
 
 
 def print_summary(rows: list[dict]) -> None:
-    from rich.console import Console
-
     from budgetq.cli.status_view import summary_table
 
     # On a terminal at least 120 columns (the table scrolls rather than cutting names); off one
     # (CI logs, `| tee`) as wide as the table is.
-    console = stdout_console()
-    (Console(width=max(120, console.width)) if console.is_terminal else console).print(summary_table(rows))
+    stdout_console(min_width=120).print(summary_table(rows))
 
 
 def _empty_files(cfg: Config) -> set[str]:
