@@ -179,3 +179,14 @@ def test_history_s_out_of_range_is_short():
     out = _cli("status", "--history-s", "99999")
     _one_line_error(out, "--history-s", "between 0 and 3600", "99999")
     assert len(out.stderr) < 300
+
+
+def test_bad_log_flags_are_one_line_errors_and_good_ones_any_case():
+    for flag, value in (("--log-level", "FOO"), ("--log-level", "notset"), ("--log-format", "XML")):
+        _one_line_error(_cli(flag, value, "status"), f"argument {flag}: {value!r} is not one of")
+    # any case, as before: the flags are taken (the error after them is the command's own, as a JSON line)
+    out = _cli("--log-level", "debug", "--log-format", "JSON", "budget", "set", "B2", "0",
+               "--redis-url", "redis://127.0.0.1:1/0")
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert json.loads(line)["level"] == "ERROR" and "budget must be above 0" in json.loads(line)["msg"], line

@@ -299,6 +299,26 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=cmd_demo)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """argparse type of --log-level: a level name in any case (WARN and FATAL, logging's aliases, too)."""
+    level = text.upper()
+    if level not in logging.getLevelNamesMapping() or level == "NOTSET":
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def one_of(*names: str):
+    """argparse type: one of ``names``, in any case (``--log-format JSON``), returned in lower case."""
+    def parse(text: str) -> str:
+        if text.lower() not in names:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)}")
+        return text.lower()
+    return parse
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad flags are one line naming the flag and the value (not the usage text), exit status 2."""
 
@@ -309,8 +329,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="budgetq", description="Token-budgeted generation on Redis + RQ + SGLang")
     p.add_argument("--version", action="version", version=f"budgetq {_version()}")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
+    p.add_argument("--log-level", type=log_level, default="INFO", metavar="LEVEL",
+                   help=f"{', '.join(LOG_LEVELS)} (any case; default INFO)")
+    p.add_argument("--log-format", type=one_of("text", "json"), default="text", metavar="{text,json}",
+                   help="json: one object per line")
     sub = p.add_subparsers(dest="cmd", required=True)
     _register_run(sub)
     cli_sim.register(sub)
