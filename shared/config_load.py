@@ -82,8 +82,9 @@ def _describe(err: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         shown = repr(e.get("input"))
-        # our own messages name the value already: "(got ...)" once, not twice
-        got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg else ""
+        # our own messages name the value already ("(got -5)" for -5 or "-5"): "(got ...)" once, not twice
+        got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg \
+            and "(got " not in msg else ""
         hint = _did_you_mean(tuple(e["loc"])) if e["type"] == "extra_forbidden" else ""
         lines.append(f"  {loc}: {msg}{hint}{got}")
     return "\n".join(lines)

@@ -132,19 +132,31 @@ def test_help_texts_say_what_the_commands_do():
     assert bad.returncode == 2 and "unrecognized arguments: --server-url" in bad.stderr
 
 
+BUDGET_RULE = "to stop a dataset, pause it: budgetq pause NAME"
+
+
 def test_budgets_are_above_zero_with_one_clear_message(tmp_path):
-    for tokens in ("0", "0k"):
+    # the command line: 0 and below are one mistake, one message, the value as written ("-5k" is a value, not a flag)
+    for tokens in ("0", "0k", "-5", "-5k", "-2.5M"):
         out = _cli("budget", "set", "B2", tokens, "--redis-url", "redis://127.0.0.1:1/0")
-        assert out.returncode == 2 and "budget must be above 0" in out.stderr and "budgetq pause" in out.stderr, out
-        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert out.returncode == 2, out
+        (line,) = out.stderr.strip().splitlines()
+        assert line == f"budgetq: error: budget for B2: a budget must be above 0 (got {tokens}); {BUDGET_RULE}", line
+    # the config: the same message, whether YAML reads the value as a number or a string
     (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
-    for budget, shown in ((0, "got 0"), (-5, "-5")):
+    for budget, shown in ((0, "0"), (-5, "-5"), ("-5", "-5"), ("-5k", "-5k")):
         cfg = tmp_path / "c.yaml"
         cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": budget}]}))
         out = _cli("check", "-c", str(cfg))
         assert out.returncode == 2 and "datasets.0.budget" in out.stderr, out.stderr
         (line,) = [ln for ln in out.stderr.splitlines() if "datasets.0.budget" in ln]
-        assert line.count(shown) == 1 and "Value error" not in line, line   # the value said once
+        assert line.endswith(f"datasets.0.budget: a budget must be above 0 (got {shown}); {BUDGET_RULE}"), line
+        assert line.count("got ") == 1 and "Value error" not in line, line   # the value said once
+    # other token counts are not budgets: their own message, the value said once
+    cfg.write_text(yaml.safe_dump({"run": {"total_budget": -5}, "features": {"max_bytes": "-1G"}}))
+    err = _cli("check", "-c", str(cfg)).stderr
+    assert "run.total_budget: a token count must be >= 0 (got -5)\n" in err, err
+    assert "features.max_bytes: a token count must be >= 0 (got -1G)\n" in err, err
 
 
 def test_init_writes_a_commented_config_that_commands_find_without_c(tmp_path, redis_url):

@@ -14,8 +14,10 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -27,11 +29,11 @@ from budgetq.cli import plan as cli_plan
 from budgetq.cli import sim as cli_sim
 from budgetq.cli.common import discover_context, load, open_redis, positive_int, seconds, stdout_console, with_config
 from budgetq.shared.config import Config
-from budgetq.shared.config_fields import positive_budget
+from budgetq.shared.config_fields import parse_budget
 from budgetq.shared.errors import BudgetqError
 from budgetq.shared.logs import setup_logging
 from budgetq.shared.retry import REDIS_DOWN
-from budgetq.shared.tokens import format_tokens, parse_tokens
+from budgetq.shared.tokens import format_tokens
 
 log = logging.getLogger("budgetq.producer")
 # After a first SIGTERM/SIGINT the producer finishes its tick and writes what it collected;
@@ -189,7 +191,7 @@ def cmd_budget_set(args: argparse.Namespace) -> int:
     from budgetq.shared import control
 
     try:
-        tokens = positive_budget(parse_tokens(args.tokens))
+        tokens = parse_budget(args.tokens)   # the config's rule and message (argparse reads "-5" as a value)
     except ValueError as exc:
         raise BudgetqError(f"budget for {args.dataset}: {exc}") from None
     _cfg, conn = _conn(args)
@@ -321,6 +323,13 @@ def one_of(*names: str):
 
 class _Parser(argparse.ArgumentParser):
     """Bad flags are one line naming the flag and the value (not the usage text), exit status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Anything that starts like a negative number is a value, as Python 3.13's argparse reads it:
+        # 3.11 takes only "-5" and "-0.5", so `budget set B2 -5k` said "arguments are required:
+        # tokens" instead of naming the budget.
+        self._negative_number_matcher = re.compile(r"-\.?\d")
 
     def error(self, message: str):  # type: ignore[override,unused-ignore]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
