@@ -48,7 +48,16 @@ def test_bad_config_is_a_clear_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": "x1"}]}))
     out = _cli("produce", "-c", str(cfg))
-    assert out.returncode == 2 and "datasets.0.budget" in out.stderr and "x1" in out.stderr
+    # one error, one line: the file, the field and the value
+    _one_line_error(out, f"budgetq: error: invalid config {cfg}: datasets.0.budget: not a token count: 'x1'")
+    # several: a heading, then one line each
+    cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": 0}],
+                                   "run": {"total_budget": "lots"}}))
+    out = _cli("produce", "-c", str(cfg))
+    assert out.returncode == 2, out.stderr
+    head, *lines = out.stderr.strip().splitlines()
+    assert head == f"budgetq: error: invalid config {cfg}: 2 errors:", out.stderr
+    assert [ln.split(":")[0] for ln in lines] == ["  datasets.0.budget", "  run.total_budget"], out.stderr
 
 
 def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
