@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
@@ -28,6 +28,17 @@ def parse_budget(value: int | float | str) -> int:
 
 
 Budget = Annotated[int, BeforeValidator(parse_budget)]
+
+
+def yaml_bools(false: str, true: str) -> BeforeValidator:
+    """For a Literal field with a word YAML 1.1 reads as a boolean: ``progress: off`` arrives as
+    False (so do no/false; on/yes/true as True). Take the boolean as the word meant, rather than
+    refusing the user's plain YAML with "(got False)"."""
+    def convert(value: Any) -> Any:
+        if isinstance(value, bool):
+            return true if value else false
+        return value
+    return BeforeValidator(convert)
 
 
 class Strict(BaseModel):

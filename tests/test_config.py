@@ -113,3 +113,53 @@ def test_example_config_names_every_field_of_the_model():
         return missing
 
     assert walk(Config, [example], "") == []
+
+
+def _literal_fields(model, prefix: str = ""):
+    """(dotted name, field) of every Literal-valued field in the config model and its sections."""
+    from typing import Literal, get_args, get_origin
+
+    from pydantic import BaseModel
+
+    def inner(annotation):
+        for arg in get_args(annotation) or ():
+            yield arg
+            yield from inner(arg)
+
+    for name, field in model.model_fields.items():
+        kinds = [field.annotation, *inner(field.annotation)]
+        if any(get_origin(k) is Literal for k in kinds):
+            yield prefix + name, field
+        for sub in kinds:
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                yield from _literal_fields(sub, f"{prefix}{name}.")
+
+
+def test_literal_words_yaml_reads_as_booleans_are_taken_as_written():
+    """`progress: off` is False to YAML 1.1 (so are no/on/yes): every such word of a Literal field is
+    taken as the word, not refused with "(got False)"."""
+    from typing import Annotated, Literal, get_args, get_origin
+
+    from pydantic import TypeAdapter
+
+    from budgetq.shared.config import Config
+
+    found = []
+    for where, field in _literal_fields(Config):
+        words = [w for a in (field.annotation, *get_args(field.annotation)) if get_origin(a) is Literal
+                 for w in get_args(a)]
+        for word in words:
+            as_yaml = yaml.safe_load(f"v: {word}")["v"]
+            if isinstance(as_yaml, bool):
+                typ = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+                assert TypeAdapter(typ).validate_python(as_yaml) == word, (where, word)
+                found.append(f"{where}: {word}")
+    assert found == ["producer.progress: off"]   # the walk saw the field the bug was in
+
+
+def test_producer_progress_off_in_plain_yaml(tmp_path):
+    assert load_config(_write(tmp_path, "producer: {progress: off}\n"), env={}).producer.progress == "off"
+    assert load_config(_write(tmp_path, "producer: {progress: 'off'}\n"), env={}).producer.progress == "off"
+    assert load_config(_write(tmp_path, "producer: {progress: on}\n"), env={}).producer.progress == "auto"
+    with pytest.raises(ConfigError, match=r"producer.progress: Input should be .*\(got 'of'\)"):
+        load_config(_write(tmp_path, "producer: {progress: of}\n"), env={})
