@@ -39,6 +39,9 @@ log = logging.getLogger("budgetq.producer")
 # After a first SIGTERM/SIGINT the producer finishes its tick and writes what it collected;
 # if that cannot happen (Redis hung or down), it stops at once after this long, as on a second signal.
 PRODUCER_STOP_S = 15.0
+# After jobs went back on a queue (retry-failed, a raise, a resume): workers run them, but only a
+# producer writes their rows, and the one of a finished run has exited.
+COLLECT_NOTE = "their results are collected by a running `budgetq produce` (start one if the run had ended)"
 # Exit status after stdout was closed under us (`budgetq status --json | head`): the shell's for SIGPIPE.
 BROKEN_PIPE_STATUS = 141
 
@@ -197,8 +200,20 @@ def cmd_budget_set(args: argparse.Namespace) -> int:
     _cfg, conn = _conn(args)
     change = control.set_budget(conn, args.dataset, tokens, args.abort_in_flight)
     print(f"{args.dataset}: budget {format_tokens(int(change.old))} -> {format_tokens(tokens)}" + change.describe()
-          + ("; aborted 0 requests in flight" if args.abort_in_flight and not change.aborted else ""))
+          + ("; aborted 0 requests in flight" if args.abort_in_flight and not change.aborted else "")
+          + _held(conn, args.dataset))
+    if change.requeued:
+        print(COLLECT_NOTE)
     return 0
+
+
+def _held(conn: redis.Redis, dataset: str) -> str:
+    """``; admissions stay held by the producer: <why>`` while its hold (output disk full) stands:
+    a raise or a resume changes nothing until the producer lifts it."""
+    from budgetq.shared.budget import dataset_state
+
+    hold = dataset_state(conn, dataset).hold
+    return f"; admissions stay held by the producer: {hold}" if hold else ""
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
@@ -207,7 +222,10 @@ def cmd_pause(args: argparse.Namespace) -> int:
     _cfg, conn = _conn(args)
     paused = args.cmd == "pause"
     change = control.set_paused(conn, args.dataset, paused, getattr(args, "abort_in_flight", False))
-    print(f"{args.dataset}: {'paused' if paused else 'resumed'}" + change.describe())
+    print(f"{args.dataset}: {'paused' if paused else 'resumed'}" + change.describe()
+          + ("" if paused else _held(conn, args.dataset)))
+    if change.requeued:
+        print(COLLECT_NOTE)
     return 0
 
 
@@ -221,7 +239,7 @@ def cmd_retry_failed(args: argparse.Namespace) -> int:
     for ds, n in counts.items():
         print(f"{ds}: requeued {n} failed jobs")
     if sum(counts.values()):
-        print("their results are collected by a running `budgetq produce` (start one if the run had ended)")
+        print(COLLECT_NOTE)
     return 0
 
 
