@@ -157,6 +157,19 @@ def test_check_counts_prompt_tokens_with_the_tokenizer(tmp_path, redis_url, sim_
 
 
 
+def test_check_takes_produces_output_dir(tmp_path, redis_url):
+    """--output-dir means what it means to produce: the directory checked for room is that one."""
+    elsewhere = tmp_path / "elsewhere"
+    dead = f"http://127.0.0.1:{free_port()}"   # the server's answer does not matter here
+    proc = _check(_config(tmp_path, redis_url, dead), "--json", "--timeout-s", "0.5", "--output-dir", str(elsewhere))
+    output = json.loads(proc.stdout)["output"]
+    assert output["path"] == str(elsewhere) and output["ok"], (output, proc.stderr)
+    for cmd in ("check", "produce"):
+        text = subprocess.run([sys.executable, "-m", "budgetq.cli", cmd, "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60).stdout
+        assert "--output-dir OUTPUT_DIR" in text and "overrides output_dir" in " ".join(text.split()), (cmd, text)
+
+
 def test_reason_key_drops_row_and_column_numbers():
     assert reason_key("row 12: field 'prompt' is empty") == "field 'prompt' is empty"
     assert reason_key("bad JSON at column 7: Expecting value") == "bad JSON at column N: Expecting value"

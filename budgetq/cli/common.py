@@ -40,6 +40,9 @@ def with_config(sp: argparse.ArgumentParser, servers: bool = True) -> argparse.A
     return sp
 
 
+OUTPUT_DIR_HELP = "the results' directory: <dataset>.jsonl and the rest (overrides output_dir and BUDGETQ_OUTPUT_DIR)"
+
+
 def find_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
     """The config file a command uses: -c, else $BUDGETQ_CONFIG, else ./budgetq.yaml if it exists."""
     env = os.environ if environ is None else environ

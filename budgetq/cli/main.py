@@ -27,7 +27,16 @@ from budgetq.cli import init as cli_init
 from budgetq.cli import ops as cli_ops
 from budgetq.cli import plan as cli_plan
 from budgetq.cli import sim as cli_sim
-from budgetq.cli.common import discover_context, load, open_redis, positive_int, seconds, stdout_console, with_config
+from budgetq.cli.common import (
+    OUTPUT_DIR_HELP,
+    discover_context,
+    load,
+    open_redis,
+    positive_int,
+    seconds,
+    stdout_console,
+    with_config,
+)
 from budgetq.shared.config import Config
 from budgetq.shared.config_fields import parse_budget
 from budgetq.shared.errors import BudgetqError
@@ -271,7 +280,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _register_run(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("produce", help="enqueue prompts and collect results"))
-    sp.add_argument("--output-dir")
+    sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP)
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
     cli_plan.run_flags(sp, "over the config's; a restart with the same 12h keeps the time it was first fixed to")
     sp.set_defaults(func=cmd_produce)
@@ -306,7 +315,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("reconcile", help="rebuild counters and done sets from the output files"),
                      servers=False)
     sp.add_argument("dataset", nargs="*")
-    sp.add_argument("--output-dir")
+    sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP)
     sp.add_argument("--rebuild", action="store_true",
                     help="set used and the done set to exactly what the files say (else: only add what is missing)")
     sp.add_argument("--force", action="store_true", help="run even with requests in flight")
