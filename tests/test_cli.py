@@ -211,7 +211,7 @@ def _skipped(conn, ds: str, ids: range) -> None:
 
 
 def test_requeueing_commands_say_a_producer_collects_and_name_the_producers_hold(redis_url, conn):
-    from budgetq.cli.main import COLLECT_NOTE
+    from budgetq.cli.control import COLLECT_NOTE
     from budgetq.shared.jobs import Ending
 
     register_dataset(conn, DatasetConfig(name="B2", path="x", budget="1k", sampling={"max_tokens": 100}))

@@ -135,6 +135,26 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """argparse type of --log-level: a level name in any case (WARN and FATAL, logging's aliases, too)."""
+    level = text.upper()
+    if level not in logging.getLevelNamesMapping() or level == "NOTSET":
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def one_of(*names: str):
+    """argparse type: one of ``names``, in any case (``--log-format JSON``), returned in lower case."""
+    def parse(text: str) -> str:
+        if text.lower() not in names:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)}")
+        return text.lower()
+    return parse
+
+
 @functools.cache
 def _console_class() -> type[Console]:
     from rich.console import Console
