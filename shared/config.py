@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from budgetq.shared.config_features import FeaturesConfig
-from budgetq.shared.config_fields import Budget, Strict, TokenCount
+from budgetq.shared.config_fields import Budget, Strict, TokenCount, yaml_bools
 from budgetq.shared.errors import ConfigError
 from budgetq.shared.identity import NAME_PATTERN, IdError, check_name
 from budgetq.shared.sampling import extra_key_errors
@@ -220,8 +220,9 @@ class ProducerConfig(Strict):
     # Max queued jobs per dataset; None = 4 x worker concurrency.
     high_water: int | None = Field(default=None, gt=0)
     poll_interval_s: float = Field(default=0.05, gt=0)
-    # Progress display: bars on a terminal, log lines otherwise (auto), or force one.
-    progress: Literal["auto", "bars", "log", "off"] = "auto"
+    # Progress display: bars on a terminal, log lines otherwise (auto), or force one. A bare
+    # `off` in YAML is False: taken as "off" (and on/yes/true as "auto").
+    progress: Annotated[Literal["auto", "bars", "log", "off"], yaml_bools("off", "auto")] = "auto"
     progress_interval_s: float = Field(default=10.0, gt=0)
     # How long RQ keeps a finished job (its hash, finished-registry entry and result), as RQ's
     # own result_ttl: rq-dashboard shows finished jobs this long. 0 deletes a job as it

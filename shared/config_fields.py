@@ -6,24 +6,39 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
-from budgetq.shared.tokens import parse_tokens
+from budgetq.shared.tokens import parse_signed_tokens, parse_tokens, shown
 
 TokenCount = Annotated[int, BeforeValidator(parse_tokens)]
 
 
-def positive_budget(tokens: int) -> int:
+def positive_budget(tokens: int, given: int | float | str | None = None) -> int:
     """A budget is above 0: a 0 budget would admit nothing and end the dataset at once, which
-    is what `budgetq pause` is for (and pause can be undone without knowing the old budget)."""
+    is what `budgetq pause` is for (and pause can be undone without knowing the old budget).
+    ``given``: the value as written, named in the message (else ``tokens``)."""
     if tokens <= 0:
-        raise ValueError(f"a budget must be above 0 (got {tokens}); to stop a dataset, pause it: budgetq pause NAME")
+        raise ValueError(f"a budget must be above 0 (got {shown(tokens if given is None else given)}); "
+                         "to stop a dataset, pause it: budgetq pause NAME")
     return tokens
 
 
-def _budget(value: Any) -> int:
-    return positive_budget(parse_tokens(value))
+def parse_budget(value: int | float | str) -> int:
+    """A budget as written (10M, 2.5k, 10_000_000): 0 and below are one mistake with one message,
+    whether the config or `budget set` says it."""
+    return positive_budget(parse_signed_tokens(value), value)
 
 
-Budget = Annotated[int, BeforeValidator(_budget)]
+Budget = Annotated[int, BeforeValidator(parse_budget)]
+
+
+def yaml_bools(false: str, true: str) -> BeforeValidator:
+    """For a Literal field with a word YAML 1.1 reads as a boolean: ``progress: off`` arrives as
+    False (so do no/false; on/yes/true as True). Take the boolean as the word meant, rather than
+    refusing the user's plain YAML with "(got False)"."""
+    def convert(value: Any) -> Any:
+        if isinstance(value, bool):
+            return true if value else false
+        return value
+    return BeforeValidator(convert)
 
 
 class Strict(BaseModel):

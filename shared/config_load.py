@@ -77,16 +77,21 @@ def _did_you_mean(loc: tuple[Any, ...]) -> str:
 
 
 def _describe(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+    """One error: one line (``invalid config X: field: message``), as every error of the CLI is;
+    several: a heading, then one line each."""
+    lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         shown = repr(e.get("input"))
-        # our own messages name the value already: "(got ...)" once, not twice
-        got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg else ""
+        # our own messages name the value already ("(got -5)" for -5 or "-5"): "(got ...)" once, not twice
+        got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg \
+            and "(got " not in msg else ""
         hint = _did_you_mean(tuple(e["loc"])) if e["type"] == "extra_forbidden" else ""
-        lines.append(f"  {loc}: {msg}{hint}{got}")
-    return "\n".join(lines)
+        lines.append(f"{loc}: {msg}{hint}{got}")
+    if len(lines) == 1:
+        return f"invalid config {source}: {lines[0]}"
+    return "\n  ".join([f"invalid config {source}: {len(lines)} errors:", *lines])
 
 
 def _is_local_path(path: str) -> bool:

@@ -10,11 +10,18 @@ from decimal import Decimal
 
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "b": 1_000_000_000}
 MAX_TOKENS = 2**63 - 1  # Redis integers (INCRBY, the budget counters) are signed 64-bit
-_PATTERN = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([kmgb]?)\s*$", re.IGNORECASE)
+# A sign is read too, so "-5" is named as a negative count, not as something unreadable.
+_PATTERN = re.compile(r"^\s*(-?[0-9][0-9_]*(?:\.[0-9]+)?)\s*([kmgb]?)\s*$", re.IGNORECASE)
 
 
-def parse_tokens(value: int | float | str) -> int:
-    """Return a whole number of tokens; raise ValueError naming the bad value."""
+def shown(value: int | float | str) -> str:
+    """A value as the user wrote it, for "(got ...)": ``-5`` for both ``-5`` and ``"-5"``."""
+    return value.strip() if isinstance(value, str) else repr(value)
+
+
+def parse_signed_tokens(value: int | float | str) -> int:
+    """A whole number of tokens, negative ones included (their meaning is the caller's to name);
+    raise ValueError naming the bad value."""
     if isinstance(value, bool):
         raise ValueError(f"not a token count: {value!r}")
     if isinstance(value, int):
@@ -31,10 +38,16 @@ def parse_tokens(value: int | float | str) -> int:
         if scaled != scaled.to_integral_value():
             raise ValueError(f"not a whole token count: {value!r}")
         number = int(scaled)
-    if number < 0:
-        raise ValueError(f"token count must be >= 0: {value!r}")
     if number > MAX_TOKENS:
         raise ValueError(f"token count too large: {value!r} (at most {MAX_TOKENS:,}, what a Redis integer holds)")
+    return number
+
+
+def parse_tokens(value: int | float | str) -> int:
+    """A whole number of tokens >= 0; raise ValueError naming the bad value."""
+    number = parse_signed_tokens(value)
+    if number < 0:
+        raise ValueError(f"a token count must be >= 0 (got {shown(value)})")
     return number
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import redis
 import yaml
@@ -80,7 +82,9 @@ def test_check_counts_prompts_and_estimates_the_run_without_writing_to_redis(tmp
 
     text = _check(_config(tmp_path, redis_url, url), "--tok-s", "100")
     assert text.returncode == 0
-    assert "A1: OK" in text.stdout and "2 x bad JSON at column N" in text.stdout
+    assert "A1: OK" in text.stdout
+    assert ("    invalid: 2 x bad JSON at column 2: Expecting property name enclosed in double quotes "
+            "(first at line 23)") in text.stdout.splitlines(), text.stdout
     assert "RUNS OUT of prompts before its budget: 8 left, ~18 needed" in text.stdout
     assert "check: every dataset can run" in text.stdout.splitlines()[-1]
 
@@ -157,9 +161,50 @@ def test_check_counts_prompt_tokens_with_the_tokenizer(tmp_path, redis_url, sim_
 
 
 
+def test_check_takes_produces_output_dir(tmp_path, redis_url):
+    """--output-dir means what it means to produce: the directory checked for room is that one."""
+    elsewhere = tmp_path / "elsewhere"
+    dead = f"http://127.0.0.1:{free_port()}"   # the server's answer does not matter here
+    proc = _check(_config(tmp_path, redis_url, dead), "--json", "--timeout-s", "0.5", "--output-dir", str(elsewhere))
+    output = json.loads(proc.stdout)["output"]
+    assert output["path"] == str(elsewhere) and output["ok"], (output, proc.stderr)
+    for cmd in ("check", "produce"):
+        text = subprocess.run([sys.executable, "-m", "budgetq.cli", cmd, "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60).stdout
+        assert "--output-dir OUTPUT_DIR" in text and "overrides output_dir" in " ".join(text.split()), (cmd, text)
+
+
 def test_reason_key_drops_row_and_column_numbers():
     assert reason_key("row 12: field 'prompt' is empty") == "field 'prompt' is empty"
     assert reason_key("bad JSON at column 7: Expecting value") == "bad JSON at column N: Expecting value"
+    # whole numbers only: the 8 of UTF-8 is part of a word, 3,000,000 is one number
+    assert reason_key("prompt has 3,000,000 bytes (UTF-8), more than server.max_prompt_bytes 1,000,000") == \
+        "prompt has N bytes (UTF-8), more than server.max_prompt_bytes N"
+
+
+def test_invalid_reasons_are_counted_together_and_shown_as_the_first_one_reads(tmp_path, redis_url):
+    rows = [{"prompt": "fine"}, {"prompt": "fine too"}, {"prompt": "x" * 3_000_000}, {"prompt": "y" * 2_000_000}]
+    data = tmp_path / "big.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"redis_url": redis_url, "output_dir": str(tmp_path / "out"),
+                                   "server": {"urls": [f"http://127.0.0.1:{free_port()}"], "max_prompt_bytes": "1M"},
+                                   "datasets": [{"name": "A", "path": str(data), "budget": "1k"},
+                                                {"name": "B", "path": str(tmp_path / "big.parquet"), "budget": "1k"}]}))
+    pq.write_table(pa.table({"prompt": ["fine", "z" * 1_500_000]}), tmp_path / "big.parquet")
+    proc = _check(cfg, "--timeout-s", "0.5")
+    line, other = [ln for ln in proc.stdout.splitlines() if "invalid: " in ln]
+    # Parquet counts rows, not lines; the row number is said once, not inside the reason too
+    assert other.startswith("    invalid: 1 x prompt has 1,500,000 bytes"), other
+    assert other.endswith(" (first at row 2)"), other
+    assert line.startswith("    invalid: 2 x prompt has 3,000,000 bytes (UTF-8), more than server.max_prompt_bytes "
+                           "1,000,000: "), line
+    assert line.endswith(" (first at line 3)") and ",N" not in line and "UTF-N" not in line, line
+    a = json.loads(_check(cfg, "--timeout-s", "0.5", "--json").stdout)["datasets"][0]
+    (key,) = a["invalid_by_reason"]
+    assert key.startswith("prompt has N bytes (UTF-8), more than server.max_prompt_bytes N: ") and \
+        a["invalid_by_reason"][key] == 2, a
+    assert a["first_at"][key] == 3 and a["first_reason"][key].startswith("prompt has 3,000,000 bytes"), a
 
 
 def test_model_matches_ids_paths_and_default():

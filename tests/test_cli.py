@@ -48,7 +48,16 @@ def test_bad_config_is_a_clear_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": "x1"}]}))
     out = _cli("produce", "-c", str(cfg))
-    assert out.returncode == 2 and "datasets.0.budget" in out.stderr and "x1" in out.stderr
+    # one error, one line: the file, the field and the value
+    _one_line_error(out, f"budgetq: error: invalid config {cfg}: datasets.0.budget: not a token count: 'x1'")
+    # several: a heading, then one line each
+    cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": 0}],
+                                   "run": {"total_budget": "lots"}}))
+    out = _cli("produce", "-c", str(cfg))
+    assert out.returncode == 2, out.stderr
+    head, *lines = out.stderr.strip().splitlines()
+    assert head == f"budgetq: error: invalid config {cfg}: 2 errors:", out.stderr
+    assert [ln.split(":")[0] for ln in lines] == ["  datasets.0.budget", "  run.total_budget"], out.stderr
 
 
 def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
@@ -179,3 +188,49 @@ def test_history_s_out_of_range_is_short():
     out = _cli("status", "--history-s", "99999")
     _one_line_error(out, "--history-s", "between 0 and 3600", "99999")
     assert len(out.stderr) < 300
+
+
+def test_bad_log_flags_are_one_line_errors_and_good_ones_any_case():
+    for flag, value in (("--log-level", "FOO"), ("--log-level", "notset"), ("--log-format", "XML")):
+        _one_line_error(_cli(flag, value, "status"), f"argument {flag}: {value!r} is not one of")
+    # any case, as before: the flags are taken (the error after them is the command's own, as a JSON line)
+    out = _cli("--log-level", "debug", "--log-format", "JSON", "budget", "set", "B2", "0",
+               "--redis-url", "redis://127.0.0.1:1/0")
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert json.loads(line)["level"] == "ERROR" and "budget must be above 0" in json.loads(line)["msg"], line
+
+
+def _skipped(conn, ds: str, ids: range) -> None:
+    """Jobs the budget skipped (RQ's canceled registry), as a run that reached it leaves them."""
+    from budgetq.shared.jobs import Ending
+
+    for i in ids:
+        conn.hset(f"{keys.RQ_JOB_PREFIX}{ds}--p{i}", mapping={"status": "canceled", "origin": f"bq-{ds}"})
+        conn.zadd(keys.rq_registry_key(ds, Ending.CANCELED), {f"{ds}--p{i}": i})
+
+
+def test_requeueing_commands_say_a_producer_collects_and_name_the_producers_hold(redis_url, conn):
+    from budgetq.cli.control import COLLECT_NOTE
+    from budgetq.shared.jobs import Ending
+
+    register_dataset(conn, DatasetConfig(name="B2", path="x", budget="1k", sampling={"max_tokens": 100}))
+    conn.set(keys.used_key("B2"), 1000)   # the budget reached, the run over, its last jobs skipped
+    _skipped(conn, "B2", range(3))
+    out = _cli("budget", "set", "B2", "2k", "--redis-url", redis_url)
+    assert out.stdout.splitlines() == ["B2: budget 1.00k -> 2.00k; requeued 3 skipped jobs", COLLECT_NOTE], out
+    out = _cli("budget", "set", "B2", "3k", "--redis-url", redis_url)
+    assert out.stdout.splitlines() == ["B2: budget 2.00k -> 3.00k"], out   # nothing requeued: nothing to collect
+    assert _cli("pause", "B2", "--redis-url", redis_url).stdout.splitlines() == ["B2: paused"]
+    _skipped(conn, "B2", range(3, 5))
+    out = _cli("resume", "B2", "--redis-url", redis_url)
+    assert out.stdout.splitlines() == ["B2: resumed; requeued 2 skipped jobs", COLLECT_NOTE], out
+    # the producer holds the dataset (output disk full): a resume cannot admit anything, and says why
+    why = "output_dir /data/out: No space left on device"
+    conn.hset(keys.conf_key("B2"), "hold", why)
+    _skipped(conn, "B2", range(5, 6))
+    for args in (("resume", "B2"), ("budget", "set", "B2", "4k")):
+        out = _cli(*args, "--redis-url", redis_url)
+        assert out.returncode == 0 and out.stdout.endswith(f"; admissions stay held by the producer: {why}\n"), out
+        assert COLLECT_NOTE not in out.stdout, out
+    assert conn.zcard(keys.rq_registry_key("B2", Ending.CANCELED)) == 1   # still skipped: nothing changed

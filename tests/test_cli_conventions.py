@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers import ROOT, wait_for
 
@@ -41,16 +42,53 @@ def test_version():
     assert out.returncode == 0 and out.stdout.startswith("budgetq ") and out.stdout.split()[1][0].isdigit(), out
 
 
-def test_a_closed_stdout_ends_quietly(redis_url, conn):
+def _closed_pipe(args: list[str], tmp_path: Path, lines: int = 0, timeout_s: float = 60) -> str:
+    """Run ``budgetq ARGS | head -LINES`` with a real pipe: read ``lines`` lines of stdout (0: none,
+    the reader is gone before the command writes anything), close it, and check the command
+    stops quietly with 141; returns its stderr."""
+    with open(tmp_path / "stderr.txt", "w+") as err:   # a file: a chatty command never blocks on it
+        p = subprocess.Popen([*PY, *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        assert p.stdout is not None
+        try:
+            got = [p.stdout.readline() for _ in range(lines)]
+            assert all(got), (got, (tmp_path / "stderr.txt").read_text())   # it did write before the close
+            p.stdout.close()
+            rc = p.wait(timeout_s)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        err.seek(0)
+        text = err.read()
+    assert rc == 141, (rc, text)
+    assert "Traceback" not in text and "BrokenPipe" not in text and "Exception ignored" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("args", [["status", "--json"], ["status"]], ids=["json", "table"])
+def test_a_closed_stdout_ends_quietly(tmp_path, redis_url, conn, args):
     _register(conn, 40)
-    # The reader is gone before the command writes anything (`budgetq status --json | true`).
-    p = subprocess.Popen([*PY, "status", "--json", "--redis-url", redis_url], cwd=ROOT, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    p.stdout.close()
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 141, (p.returncode, err)
-    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    # `budgetq status --json | true`: the reader is gone before the command writes anything.
+    _closed_pipe([*args, "--redis-url", redis_url], tmp_path)
+
+
+@pytest.mark.parametrize("args", [["--json"], []], ids=["json", "table"])
+def test_status_watch_ends_quietly_when_its_reader_goes(tmp_path, redis_url, conn, args):
+    _register(conn, 2)
+    # `budgetq status --watch | head -2`: the frames after the reader went have nowhere to go.
+    _closed_pipe(["status", "--watch", *args, "--interval", "0.1", "--redis-url", redis_url], tmp_path, lines=2)
+
+
+def test_produce_and_demo_summaries_end_quietly_on_a_closed_stdout(tmp_path, redis_url):
+    (tmp_path / "empty.jsonl").write_text("")   # nothing to send: the run ends at once, then its summary
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"redis_url": redis_url, "output_dir": str(tmp_path / "out"),
+                                   "producer": {"progress": "off"},
+                                   "datasets": [{"name": "E", "path": str(tmp_path / "empty.jsonl"),
+                                                 "budget": "1k"}]}))
+    _closed_pipe(["produce", "-c", str(cfg)], tmp_path)
+    # the demo's summary is its produce child's, on the same stdout: `budgetq demo | head -1`
+    _closed_pipe(["demo", "--redis-url", redis_url, "--concurrency", "16"], tmp_path, lines=1, timeout_s=180)
 
 
 def test_tables_are_never_cut_off_a_terminal(redis_url, conn):
@@ -94,19 +132,31 @@ def test_help_texts_say_what_the_commands_do():
     assert bad.returncode == 2 and "unrecognized arguments: --server-url" in bad.stderr
 
 
+BUDGET_RULE = "to stop a dataset, pause it: budgetq pause NAME"
+
+
 def test_budgets_are_above_zero_with_one_clear_message(tmp_path):
-    for tokens in ("0", "0k"):
+    # the command line: 0 and below are one mistake, one message, the value as written ("-5k" is a value, not a flag)
+    for tokens in ("0", "0k", "-5", "-5k", "-2.5M"):
         out = _cli("budget", "set", "B2", tokens, "--redis-url", "redis://127.0.0.1:1/0")
-        assert out.returncode == 2 and "budget must be above 0" in out.stderr and "budgetq pause" in out.stderr, out
-        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert out.returncode == 2, out
+        (line,) = out.stderr.strip().splitlines()
+        assert line == f"budgetq: error: budget for B2: a budget must be above 0 (got {tokens}); {BUDGET_RULE}", line
+    # the config: the same message, whether YAML reads the value as a number or a string
     (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
-    for budget, shown in ((0, "got 0"), (-5, "-5")):
+    for budget, shown in ((0, "0"), (-5, "-5"), ("-5", "-5"), ("-5k", "-5k")):
         cfg = tmp_path / "c.yaml"
         cfg.write_text(yaml.safe_dump({"datasets": [{"name": "A", "path": "a.jsonl", "budget": budget}]}))
         out = _cli("check", "-c", str(cfg))
         assert out.returncode == 2 and "datasets.0.budget" in out.stderr, out.stderr
         (line,) = [ln for ln in out.stderr.splitlines() if "datasets.0.budget" in ln]
-        assert line.count(shown) == 1 and "Value error" not in line, line   # the value said once
+        assert line.endswith(f"datasets.0.budget: a budget must be above 0 (got {shown}); {BUDGET_RULE}"), line
+        assert line.count("got ") == 1 and "Value error" not in line, line   # the value said once
+    # other token counts are not budgets: their own message, the value said once
+    cfg.write_text(yaml.safe_dump({"run": {"total_budget": -5}, "features": {"max_bytes": "-1G"}}))
+    err = _cli("check", "-c", str(cfg)).stderr
+    assert "run.total_budget: a token count must be >= 0 (got -5)\n" in err, err
+    assert "features.max_bytes: a token count must be >= 0 (got -1G)\n" in err, err
 
 
 def test_init_writes_a_commented_config_that_commands_find_without_c(tmp_path, redis_url):

@@ -113,3 +113,100 @@ def test_example_config_names_every_field_of_the_model():
         return missing
 
     assert walk(Config, [example], "") == []
+
+
+def _literal_fields(model, prefix: str = ""):
+    """(dotted name, field) of every Literal-valued field in the config model and its sections."""
+    from typing import Literal, get_args, get_origin
+
+    from pydantic import BaseModel
+
+    def inner(annotation):
+        for arg in get_args(annotation) or ():
+            yield arg
+            yield from inner(arg)
+
+    for name, field in model.model_fields.items():
+        kinds = [field.annotation, *inner(field.annotation)]
+        if any(get_origin(k) is Literal for k in kinds):
+            yield prefix + name, field
+        for sub in kinds:
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                yield from _literal_fields(sub, f"{prefix}{name}.")
+
+
+def test_literal_words_yaml_reads_as_booleans_are_taken_as_written():
+    """`progress: off` is False to YAML 1.1 (so are no/on/yes): every such word of a Literal field is
+    taken as the word, not refused with "(got False)"."""
+    from typing import Annotated, Literal, get_args, get_origin
+
+    from pydantic import TypeAdapter
+
+    from budgetq.shared.config import Config
+
+    found = []
+    for where, field in _literal_fields(Config):
+        words = [w for a in (field.annotation, *get_args(field.annotation)) if get_origin(a) is Literal
+                 for w in get_args(a)]
+        for word in words:
+            as_yaml = yaml.safe_load(f"v: {word}")["v"]
+            if isinstance(as_yaml, bool):
+                typ = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+                assert TypeAdapter(typ).validate_python(as_yaml) == word, (where, word)
+                found.append(f"{where}: {word}")
+    assert found == ["producer.progress: off"]   # the walk saw the field the bug was in
+
+
+def test_producer_progress_off_in_plain_yaml(tmp_path):
+    assert load_config(_write(tmp_path, "producer: {progress: off}\n"), env={}).producer.progress == "off"
+    assert load_config(_write(tmp_path, "producer: {progress: 'off'}\n"), env={}).producer.progress == "off"
+    assert load_config(_write(tmp_path, "producer: {progress: on}\n"), env={}).producer.progress == "auto"
+    with pytest.raises(ConfigError, match=r"producer.progress: Input should be .*\(got 'of'\)"):
+        load_config(_write(tmp_path, "producer: {progress: of}\n"), env={})
+
+
+def _not_defaults(model, validated, node, prefix: str = ""):
+    """(dotted name, line) of every key of the YAML mapping ``node`` whose value is not the model's
+    default: required fields, sections that default to null, and values that differ once validated."""
+    from pydantic import BaseModel
+
+    def section(annotation):
+        inner = getattr(annotation, "__args__", (annotation,))
+        return next((t for t in inner if isinstance(t, type) and issubclass(t, BaseModel)), None)
+
+    for key, value_node in node.value:
+        name, field = key.value, model.model_fields[key.value]
+        here = (prefix + name, key.start_mark.line)
+        value, sub = getattr(validated, name), section(field.annotation)
+        if field.is_required():
+            yield here
+            continue
+        default = field.get_default(call_default_factory=True)
+        if sub is not None and isinstance(value_node, yaml.SequenceNode):
+            for i, item in enumerate(value_node.value):
+                yield from _not_defaults(sub, value[i], item, f"{prefix}{name}.{i}.")
+        elif sub is not None and isinstance(value_node, yaml.MappingNode) and default is not None:
+            yield from _not_defaults(sub, value, value_node, f"{prefix}{name}.")
+        elif value != default:
+            yield here
+
+
+def test_example_config_marks_every_value_that_is_not_the_default():
+    """Its header says the values are the defaults except those marked "example": hold it to that,
+    both ways (an unmarked non-default, or a marked default, fails)."""
+    from budgetq.shared.config import Config
+
+    path = ROOT / "examples" / "budgetq.yaml"
+    text = path.read_text()
+    lines = text.splitlines()
+    found = dict(_not_defaults(Config, load_config(path, env={}), yaml.compose(text)))
+    assert {"datasets.0.messages_field", "datasets.0.budget", "datasets.0.sampling.temperature",
+            "features.model"} <= set(found), found   # the walk sees what differs
+
+    def comment(line: int) -> str:
+        return lines[line].split("#", 1)[1].strip() if "#" in lines[line] else ""
+
+    unmarked = [name for name, line in found.items() if not comment(line).startswith("example")]
+    assert unmarked == [], unmarked
+    marked = {i for i in range(len(lines)) if comment(i).startswith("example") and not lines[i].startswith("#")}
+    assert marked == set(found.values()), sorted(lines[i] for i in marked - set(found.values()))

@@ -14,6 +14,11 @@ def _load(tmp_path, text: str):
     return load_config(path, env={})
 
 
+def _line(message: str, where: str) -> str:
+    """The line of a config error that names ``where`` (the only one, or one of several)."""
+    return next(ln for ln in message.splitlines() if ln.strip().startswith(where + ":") or f": {where}: " in ln)
+
+
 DS = "datasets:\n  - {name: A1, path: x.jsonl, budget: 1M, %s}\n"
 
 
@@ -51,7 +56,7 @@ def test_a_bad_shorthand_value_names_its_field_under_sampling(tmp_path):
 def test_unknown_dataset_fields_suggest_the_close_match(tmp_path, field, where, hint):
     with pytest.raises(ConfigError) as exc:
         _load(tmp_path, DS % field)
-    line = next(ln for ln in str(exc.value).splitlines() if ln.strip().startswith(where + ":"))
+    line = _line(str(exc.value), where)
     assert hint in line and "Extra inputs are not permitted" in line
 
 
@@ -64,5 +69,5 @@ def test_unknown_dataset_fields_suggest_the_close_match(tmp_path, field, where, 
 def test_unknown_fields_anywhere_suggest_the_close_match(tmp_path, text, where, hint):
     with pytest.raises(ConfigError) as exc:
         _load(tmp_path, text)
-    line = next(ln for ln in str(exc.value).splitlines() if ln.strip().startswith(where + ":"))
+    line = _line(str(exc.value), where)
     assert hint in line

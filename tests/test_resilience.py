@@ -218,7 +218,7 @@ def test_all_endpoints_down_workers_wait_instead_of_failing_jobs(tmp_path, redis
     try:
         wait_for(lambda: int(conn.hget(keys.stats_key("D"), "committed") or 0) > 10, 30, "some results")
         sim.kill()
-        wait_for(lambda: "all SGLang endpoints are down" in procs.log(w), 20, "the worker to say so")
+        wait_for(lambda: "all servers are down" in procs.log(w), 20, "the worker to say so")
         time.sleep(2.0)  # far more than 3 attempts' worth of backoff
         sim.start()
         assert producer.wait(120) == 0, procs.log(producer)

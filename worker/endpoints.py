@@ -139,7 +139,7 @@ class EndpointPool:
     async def wait_healthy(self) -> None:
         if not self._any_healthy.is_set() and time.monotonic() - self._down_logged_at > 30:
             self._down_logged_at = time.monotonic()
-            log.error("all SGLang endpoints are down (%s); waiting for one to answer its health check",
+            log.error("all servers are down (%s); waiting for one to answer its health check",
                       ", ".join(f"{e.url}: {e.faults.last_reason or 'failing'}" for e in self.endpoints))
         await self._any_healthy.wait()
 

@@ -4,6 +4,7 @@ flag types, and writing to stdout (full-width tables off a terminal, frames flus
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -37,6 +38,9 @@ def with_config(sp: argparse.ArgumentParser, servers: bool = True) -> argparse.A
     if servers:
         sp.add_argument("--server-url", action="append", help="server URL (repeatable); overrides server.urls")
     return sp
+
+
+OUTPUT_DIR_HELP = "the results' directory: <dataset>.jsonl and the rest (overrides output_dir and BUDGETQ_OUTPUT_DIR)"
 
 
 def find_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
@@ -131,15 +135,53 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def stdout_console() -> Console:
-    """The console for tables on stdout: the terminal's width on a terminal, else never cut."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """argparse type of --log-level: a level name in any case (WARN and FATAL, logging's aliases, too)."""
+    level = text.upper()
+    if level not in logging.getLevelNamesMapping() or level == "NOTSET":
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def one_of(*names: str):
+    """argparse type: one of ``names``, in any case (``--log-format JSON``), returned in lower case."""
+    def parse(text: str) -> str:
+        if text.lower() not in names:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)}")
+        return text.lower()
+    return parse
+
+
+@functools.cache
+def _console_class() -> type[Console]:
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH, soft_wrap=False)
+    class StdoutConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own handler exits with status 1 and says nothing; main() turns a closed
+            # stdout into the quiet 141 every command keeps (docs/cli.md).
+            self.quiet = True
+            raise BrokenPipeError
+
+    return StdoutConsole
+
+
+def stdout_console(min_width: int = 0) -> Console:
+    """The console for tables on stdout: the terminal's width (at least ``min_width``) on a
+    terminal, else never cut. A closed stdout raises BrokenPipeError from its print()."""
+    console = _console_class()
+    if not sys.stdout.isatty():
+        return console(width=PIPE_WIDTH, soft_wrap=False)
+    on_terminal = console()
+    return console(width=min_width) if on_terminal.width < min_width else on_terminal
 
 
 def watch(frame: Callable[[], RenderableType], interval: float, console: Console | None = None) -> int:
-    """Redraw ``frame()`` every ``interval`` s until interrupted (SIGINT, SIGTERM, a closed pipe).
+    """Redraw ``frame()`` every ``interval`` s until interrupted (SIGINT, SIGTERM: status 0); a
+    closed stdout raises BrokenPipeError (main() ends the command with 141).
 
     On a terminal: in place (rich Live). Otherwise (``> file``, ``| tee``): each frame printed
     whole and flushed at once, so the file holds every frame up to the moment it is stopped

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from budgetq.cli.common import discover_context, load, with_config
+from budgetq.cli.common import OUTPUT_DIR_HELP, discover_context, load, with_config
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -83,6 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=cmd_export)
     sp = with_config(sub.add_parser("check", help="read every dataset, ask Redis and the servers, estimate the run; "
                                                   "writes nothing (exit 0 only if every dataset can run)"))
+    sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP + "; checked for room as produce would find it")
     sp.add_argument("--tok-s", type=_positive, help="generation rate of all servers together, for time estimates")
     sp.add_argument("--timeout-s", type=_positive, default=3.0, help="for Redis and each server (default 3)")
     sp.add_argument("--json", action="store_true")

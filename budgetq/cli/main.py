@@ -1,7 +1,7 @@
 """``budgetq`` subcommands. Parses flags, sets up logging, calls library functions.
 
-The run commands live here (produce, worker, budget, pause, resume, retry-failed,
-reconcile, demo); the other groups each have a module with a ``register(sub)`` function:
+The run commands live here (produce, worker, demo); the other groups each have a module with
+a ``register(sub)`` function: cli_control (budget set, pause, resume, retry-failed, reconcile),
 cli_sim (sim), cli_ops (status, monitor), cli_data (export, check), cli_init (init).
 Conventions every command keeps (docs/cli.md): a bad flag or value is one line on stderr, exit
 status 2; a closed stdout (``| head``) ends the command quietly (status 141, like SIGPIPE).
@@ -11,27 +11,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import redis
 
+from budgetq.cli import control as cli_control
 from budgetq.cli import data as cli_data
 from budgetq.cli import features as cli_features
 from budgetq.cli import init as cli_init
 from budgetq.cli import ops as cli_ops
 from budgetq.cli import plan as cli_plan
 from budgetq.cli import sim as cli_sim
-from budgetq.cli.common import discover_context, load, open_redis, positive_int, seconds, stdout_console, with_config
+from budgetq.cli.common import (
+    LOG_LEVELS,
+    OUTPUT_DIR_HELP,
+    discover_context,
+    load,
+    log_level,
+    one_of,
+    open_redis,
+    positive_int,
+    seconds,
+    stdout_console,
+    with_config,
+)
 from budgetq.shared.config import Config
-from budgetq.shared.config_fields import positive_budget
 from budgetq.shared.errors import BudgetqError
 from budgetq.shared.logs import setup_logging
 from budgetq.shared.retry import REDIS_DOWN
-from budgetq.shared.tokens import format_tokens, parse_tokens
 
 log = logging.getLogger("budgetq.producer")
 # After a first SIGTERM/SIGINT the producer finishes its tick and writes what it collected;
@@ -42,14 +54,11 @@ BROKEN_PIPE_STATUS = 141
 
 
 def print_summary(rows: list[dict]) -> None:
-    from rich.console import Console
-
     from budgetq.cli.status_view import summary_table
 
     # On a terminal at least 120 columns (the table scrolls rather than cutting names); off one
     # (CI logs, `| tee`) as wide as the table is.
-    console = stdout_console()
-    (Console(width=max(120, console.width)) if console.is_terminal else console).print(summary_table(rows))
+    stdout_console(min_width=120).print(summary_table(rows))
 
 
 def _empty_files(cfg: Config) -> set[str]:
@@ -183,68 +192,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return rc
 
 
-def _conn(args: argparse.Namespace):
-    cfg = load(args)
-    return cfg, open_redis(cfg, args.cmd)
-
-
-def cmd_budget_set(args: argparse.Namespace) -> int:
-    from budgetq.shared import control
-
-    try:
-        tokens = positive_budget(parse_tokens(args.tokens))
-    except ValueError as exc:
-        raise BudgetqError(f"budget for {args.dataset}: {exc}") from None
-    _cfg, conn = _conn(args)
-    change = control.set_budget(conn, args.dataset, tokens, args.abort_in_flight)
-    print(f"{args.dataset}: budget {format_tokens(int(change.old))} -> {format_tokens(tokens)}" + change.describe()
-          + ("; aborted 0 requests in flight" if args.abort_in_flight and not change.aborted else ""))
-    return 0
-
-
-def cmd_pause(args: argparse.Namespace) -> int:
-    from budgetq.shared import control
-
-    _cfg, conn = _conn(args)
-    paused = args.cmd == "pause"
-    change = control.set_paused(conn, args.dataset, paused, getattr(args, "abort_in_flight", False))
-    print(f"{args.dataset}: {'paused' if paused else 'resumed'}" + change.describe())
-    return 0
-
-
-def cmd_retry_failed(args: argparse.Namespace) -> int:
-    from budgetq.shared import control
-    from budgetq.shared.redis_conn import dataset_names
-
-    _cfg, conn = _conn(args)
-    names = args.dataset or dataset_names(conn)
-    counts = control.retry_failed(conn, names)
-    for ds, n in counts.items():
-        print(f"{ds}: requeued {n} failed jobs")
-    if sum(counts.values()):
-        print("their results are collected by a running `budgetq produce` (start one if the run had ended)")
-    return 0
-
-
-def cmd_reconcile(args: argparse.Namespace) -> int:
-    from budgetq.producer.run.reconcile import reconcile
-
-    cfg, conn = _conn(args)
-    names = args.dataset or [d.name for d in cfg.datasets]
-    if not names:
-        raise BudgetqError("reconcile needs the datasets of a config (-c CONFIG)")
-    reports = [reconcile(conn, cfg, cfg.dataset(n), rebuild=args.rebuild, force=args.force) for n in names]
-    if args.json:
-        print(json.dumps([r.as_dict() for r in reports], indent=2))
-    for r in reports if not args.json else []:
-        diff = r.used_after - r.used_before
-        print(f"{r.dataset}: {r.rows_on_disk} rows on disk, {r.rows_in_stream} waiting in Redis; "
-              f"used {r.used_before} -> {r.used_after} (files say {r.used_expected}, {diff:+d}); "
-              f"adopted {r.adopted} rows (+{r.tokens_added} tokens); {r.stale_done} done ids without a row"
-              + ("" if r.rebuilt or not r.stale_done else " (run with --rebuild to forget them)"))
-    return 0
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from budgetq.cli.demo import run_demo
 
@@ -254,7 +201,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _register_run(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("produce", help="enqueue prompts and collect results"))
-    sp.add_argument("--output-dir")
+    sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP)
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
     cli_plan.run_flags(sp, "over the config's; a restart with the same 12h keeps the time it was first fixed to")
     sp.set_defaults(func=cmd_produce)
@@ -266,35 +213,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--no-features", action="store_true",
                     help="do not serve features jobs (served by default when a dataset has capture: features)")
     sp.set_defaults(func=cmd_worker)
-    bp = sub.add_parser("budget", help="change a budget live").add_subparsers(dest="bcmd", required=True)
-    sp = with_config(bp.add_parser("set", help="set a dataset's budget (effective on the next admission)"),
-                     servers=False)
-    sp.add_argument("dataset")
-    sp.add_argument("tokens", help="above 0, e.g. 12M, 2.5k, 10_000_000 (to stop a dataset: budgetq pause)")
-    sp.add_argument("--abort-in-flight", action="store_true",
-                    help="also cancel the dataset's requests in flight (their results will not count)")
-    sp.set_defaults(func=cmd_budget_set)
-    cli_plan.register_budget(bp)  # deadline, total, weight, show (budgetq/cli/plan.py)
-    for name in ("pause", "resume"):
-        sp = with_config(sub.add_parser(name, help=f"{name} a dataset (effective on the next admission)"),
-                         servers=False)
-        sp.add_argument("dataset")
-        if name == "pause":
-            sp.add_argument("--abort-in-flight", action="store_true", help="also cancel its requests in flight")
-        sp.set_defaults(func=cmd_pause)
-    sp = with_config(sub.add_parser("retry-failed", help="requeue failed jobs (all datasets, or those named)"),
-                     servers=False)
-    sp.add_argument("dataset", nargs="*")
-    sp.set_defaults(func=cmd_retry_failed)
-    sp = with_config(sub.add_parser("reconcile", help="rebuild counters and done sets from the output files"),
-                     servers=False)
-    sp.add_argument("dataset", nargs="*")
-    sp.add_argument("--output-dir")
-    sp.add_argument("--rebuild", action="store_true",
-                    help="set used and the done set to exactly what the files say (else: only add what is missing)")
-    sp.add_argument("--force", action="store_true", help="run even with requests in flight")
-    sp.add_argument("--json", action="store_true")
-    sp.set_defaults(func=cmd_reconcile)
+
+
+def _register_demo(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("demo", help="the whole pipeline on one machine with bundled data")
     sp.add_argument("--redis-url")
     sp.add_argument("--workers", type=positive_int, default=2)
@@ -305,6 +226,13 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
 class _Parser(argparse.ArgumentParser):
     """Bad flags are one line naming the flag and the value (not the usage text), exit status 2."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Anything that starts like a negative number is a value, as Python 3.13's argparse reads it:
+        # 3.11 takes only "-5" and "-0.5", so `budget set B2 -5k` said "arguments are required:
+        # tokens" instead of naming the budget.
+        self._negative_number_matcher = re.compile(r"-\.?\d")
+
     def error(self, message: str):  # type: ignore[override,unused-ignore]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -312,10 +240,14 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="budgetq", description="Token-budgeted generation on Redis + RQ + SGLang")
     p.add_argument("--version", action="version", version=f"budgetq {_version()}")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
+    p.add_argument("--log-level", type=log_level, default="INFO", metavar="LEVEL",
+                   help=f"{', '.join(LOG_LEVELS)} (any case; default INFO)")
+    p.add_argument("--log-format", type=one_of("text", "json"), default="text", metavar="{text,json}",
+                   help="json: one object per line")
     sub = p.add_subparsers(dest="cmd", required=True)
     _register_run(sub)
+    cli_control.register(sub)  # budget set, pause, resume, retry-failed, reconcile
+    _register_demo(sub)
     cli_sim.register(sub)
     cli_ops.register(sub)
     cli_data.register(sub)

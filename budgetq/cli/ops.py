@@ -72,7 +72,7 @@ def _watch_json(cfg: Config, conn, interval: float, history_s: int) -> int:
                     failing = False
                 print(json.dumps(snap, separators=(",", ":")), flush=True)
             time.sleep(interval)
-    except (KeyboardInterrupt, BrokenPipeError):
+    except KeyboardInterrupt:  # SIGINT/SIGTERM; a closed stdout goes on to main() (status 141)
         return 0
 
 

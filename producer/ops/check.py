@@ -32,9 +32,10 @@ from budgetq.shared.redis_conn import connect_once, describe
 from budgetq.shared.tokens import format_tokens
 
 # "row 12: field 'prompt' is empty" and "field 'prompt' is empty" are one reason; so are
-# "bad JSON at column 3: ..." and "bad JSON at column 9: ...".
+# "bad JSON at column 3: ..." and "bad JSON at column 9: ...", and "prompt has 3,000,000 bytes"
+# and "prompt has 12 bytes". A whole number only: the 8 of "UTF-8" is part of a word.
 _ROW_PREFIX = re.compile(r"^row \d+: ")
-_NUMBER = re.compile(r"\d+")
+_NUMBER = re.compile(r"(?<![\w.,-])-?\d+(?:[.,]\d+)*(?![\w-])")
 # What a row weighs on disk, for the output estimate: the answer's text at ~6 bytes a token (JSON
 # escapes and non-ASCII text weigh more than English's ~4), the prompt's characters (+10% for
 # escapes) and ~512 bytes of ids, counts and settings. It errs on the heavy side.
@@ -43,7 +44,7 @@ ROW_OVERHEAD = 512
 
 
 def reason_key(reason: str) -> str:
-    """An invalid row's reason without its row and column numbers, for counting by reason."""
+    """An invalid row's reason with its numbers (row, column, sizes) as N, for counting by reason."""
     return _NUMBER.sub("N", _ROW_PREFIX.sub("", reason))
 
 
@@ -82,8 +83,11 @@ class DatasetCheck:
     duplicates: int = 0
     invalid: int = 0
     invalid_by_reason: dict[str, int] = field(default_factory=dict)
-    # reason -> first line (JSONL) or row (other formats) it was seen at
+    # reason -> first line (JSONL) or row (other formats) it was seen at, and that row's own
+    # reason (its numbers, not N: what the report prints)
     first_at: dict[str, int] = field(default_factory=dict)
+    first_reason: dict[str, str] = field(default_factory=dict)
+    position: str = "line"   # what first_at counts: "line" (JSONL) or "row" (other formats)
     filtered: int = 0
     prompt_chars: Stats = field(default_factory=Stats)
     prompt_tokens: Stats | None = None  # only with server.tokenizer
@@ -163,7 +167,11 @@ def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
                 out.invalid += 1
                 key = reason_key(item.reason)
                 out.invalid_by_reason[key] = out.invalid_by_reason.get(key, 0) + 1
-                out.first_at.setdefault(key, item.line)
+                if key not in out.first_at:
+                    out.first_at[key] = item.line
+                    out.first_reason[key] = _ROW_PREFIX.sub("", item.reason)
+                    # the reader names the row in the reason of every format but JSONL (lines)
+                    out.position = "row" if _ROW_PREFIX.match(item.reason) else out.position
             elif isinstance(item, Filtered):
                 out.filtered += 1
     except (BudgetqError, OSError, ValueError) as exc:
@@ -315,8 +323,8 @@ def format_report(r: CheckReport) -> str:
             continue
         lines.append(f"  prompts: {d.valid:,} valid ({d.unique:,} unique ids, {d.duplicates:,} duplicate), "
                      f"{d.invalid:,} invalid, {d.filtered:,} filtered; read in {d.read_s:.1f} s")
-        for reason, n in sorted(d.invalid_by_reason.items(), key=lambda kv: -kv[1]):
-            lines.append(f"    invalid: {n:,} x {reason} (first at {d.first_at[reason]})")
+        for key, n in sorted(d.invalid_by_reason.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    invalid: {n:,} x {d.first_reason[key]} (first at {d.position} {d.first_at[key]})")
         tokens = _stats(d.prompt_tokens) if d.prompt_tokens else "not counted (no server.tokenizer)"
         lines.append(f"  prompt chars: {_stats(d.prompt_chars)}; prompt tokens: {tokens}")
         if d.requests is not None:
