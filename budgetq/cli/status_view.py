@@ -81,18 +81,20 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="budgetq summary")
     optional = [c for c in ("truncated", "running") if any(r[c] for r in rows)]
     unbalanced = any(r["unaccounted"] for r in rows)  # 0 or None (state older than the ledger): hidden
+    # Where every prompt is (the ledger's states), then rows never enqueued, then what happened
+    # on the way (aborted requests went back to the queue: an event count, not a state).
     cols = ["dataset", "budget", "used", "used/budget", "rows", *optional, "skipped", "failed", "queued",
-            "aborted", "invalid", "duplicate ids", "filtered", *(["unaccounted"] if unbalanced else []),
-            "wasted", "stop"]
+            "invalid", "duplicate ids", "filtered", *(["unaccounted"] if unbalanced else []),
+            "aborted (requeued)", "wasted", "stop"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("dataset", "stop") else "right")
     for r in rows:
         ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
-        cells = [r["dataset"], format_tokens(r["budget"]), str(r["used"]), ratio, str(r["rows"]),
-                 *(str(r[c]) for c in optional), str(r["skipped"]), str(r["failed"]), str(r["queued"]),
-                 str(r["aborted"]), str(r["invalid"]), str(r["duplicate_ids"]), str(r["filtered"]),
-                 *([str(r["unaccounted"] if r["unaccounted"] is not None else "-")] if unbalanced else []),
-                 str(r["wasted_tokens"]), r["stop"]]
+        cells = [r["dataset"], format_tokens(r["budget"]), f"{r['used']:,}", ratio, f"{r['rows']:,}",
+                 *(f"{r[c]:,}" for c in optional), f"{r['skipped']:,}", f"{r['failed']:,}", f"{r['queued']:,}",
+                 f"{r['invalid']:,}", f"{r['duplicate_ids']:,}", f"{r['filtered']:,}",
+                 *([f"{r['unaccounted']:,}" if r["unaccounted"] is not None else "-"] if unbalanced else []),
+                 f"{r['aborted']:,}", f"{r['wasted_tokens']:,}", r["stop"]]
         table.add_row(*cells)
     return table
 
