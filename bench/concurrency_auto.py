@@ -41,6 +41,15 @@ def one_run(stack: c.Stack, sims: list[c.Sim], cfg: c.Path, setting: str, warmup
                for i in range(2)]
     producer = stack.producer(cfg, f"producer-{setting}")
     try:
+        # The warm-up opens once both workers have requests at the servers (their start is slow on
+        # a loaded machine: a fixed wait measured nothing there).
+        deadline = time.monotonic() + 180
+        while sum(s.stats()["running"] for s in sims) < 2 * min(32, int(setting) if setting.isdigit() else 32):
+            if dead := [p.args for p in (producer, *workers) if p.poll() is not None]:
+                raise RuntimeError(f"{setting}: a process exited before the run got going: {dead}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{setting}: the workers never got requests to the servers in 180 s")
+            time.sleep(0.1)
         time.sleep(warmup_s)
         before = sum(s.stats()["generated_tokens"] for s in sims)
         t0 = time.monotonic()

@@ -17,6 +17,8 @@ conf hash records the scheme in field ``id_scheme``:
 
 from __future__ import annotations
 
+import logging
+
 import redis
 from rq.registry import (
     CanceledJobRegistry,
@@ -30,6 +32,8 @@ from rq.registry import (
 from budgetq.shared import keys
 from budgetq.shared.identity import SCHEME, SCHEME_FIELD, SCHEME_MIGRATED
 from budgetq.shared.redis_conn import text
+
+log = logging.getLogger("budgetq.producer")
 
 _REGISTRIES = (StartedJobRegistry, FailedJobRegistry, CanceledJobRegistry, FinishedJobRegistry,
                ScheduledJobRegistry, DeferredJobRegistry)
@@ -55,3 +59,12 @@ def id_scheme(conn: redis.Redis, ds: str) -> str:
     scheme = SCHEME_MIGRATED if has_state(conn, ds) else SCHEME
     conn.hsetnx(keys.conf_key(ds), SCHEME_FIELD, scheme)
     return text(conn.hget(keys.conf_key(ds), SCHEME_FIELD) or scheme)
+
+
+def uses_legacy_ids(conn: redis.Redis, ds: str) -> bool:
+    """Whether Redis may hold job ids of this dataset's old scheme (said once, in the log)."""
+    legacy = id_scheme(conn, ds) == SCHEME_MIGRATED
+    if legacy:
+        log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "
+                 "recognised too, so nothing already done, queued or failed runs again", ds)
+    return legacy

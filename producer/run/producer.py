@@ -35,13 +35,13 @@ from budgetq.producer.run.collector import Collector
 from budgetq.producer.run.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
 from budgetq.producer.run.id_rule import settle_id_field
 from budgetq.producer.run.meta import check_and_write_meta
-from budgetq.producer.run.migrate import id_scheme
+from budgetq.producer.run.migrate import uses_legacy_ids
 from budgetq.producer.run.reconcile import adopt_missing, rows_on_disk
 from budgetq.shared import jobs, keys
 from budgetq.shared.budget import dataset_state, register_dataset
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.errors import BudgetqError
-from budgetq.shared.identity import SCHEME_MIGRATED, job_id, legacy_job_id
+from budgetq.shared.identity import job_id, legacy_job_id
 from budgetq.shared.ledger import read_ledgers
 from budgetq.shared.logs import safe
 from budgetq.shared.maintenance import Maintenance
@@ -120,10 +120,7 @@ class Producer:
                          "(change it in the config, or `budgetq budget set`, to move it)", ds.name,
                          format_tokens(kept), format_tokens(ds.budget or 0))
             q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
-            legacy = id_scheme(self.conn, ds.name) == SCHEME_MIGRATED
-            if legacy:
-                log.info("dataset %s: Redis holds state of the previous job-id scheme; old job ids are "
-                         "recognised too, so nothing already done, queued or failed runs again", ds.name)
+            legacy = uses_legacy_ids(self.conn, ds.name)
             settle_id_field(self.conn, ds, cfg.output_dir)  # the ids this dataset's state was made with
             self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy,
                                    filtered_recorded=int(self.conn.hget(keys.stats_key(ds.name), Stat.FILTERED) or 0)))
