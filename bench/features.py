@@ -383,11 +383,12 @@ def print_transformers_tables(args: argparse.Namespace, runs: list[tuple[Pipelin
     where = []
     for i, (run, bare) in enumerate(runs):
         b = run.breakdown()
-        where.append([i + 1, round(run.seconds, 2), round(b["forward"], 2), round(bare, 2), round(b["start"], 3),
-                      round(b["between"], 3), round(b["tail"], 3)])
+        where.append([i + 1, round(run.seconds, 2), round(b["forward"], 2), round(b["forward"] / run.seconds, 3),
+                      round(bare, 2), round(b["start"], 3), round(b["between"], 3), round(b["tail"], 3)])
     print("\n## where the pipeline's wall time went (seconds, from the worker's own pass log)\n")
-    print(c.md_table(["rep", "pipeline", "forward passes in the worker", "bare forward passes",
-                      "start (to the 1st pass)", "between passes", "tail (after the last pass)"], where), flush=True)
+    print(c.md_table(["rep", "pipeline", "forward passes in the worker", "ratio forward busy / pipeline",
+                      "bare forward passes", "start (to the 1st pass)", "between passes", "tail (after the last pass)"],
+                     where), flush=True)
     cpu = []
     for i, (run, _) in enumerate(runs):
         forward = sum(p["forward_cpu_s"] for p in run.passes)
