@@ -11,6 +11,11 @@ online path never calls. The stubs leave ``sys.modules`` afterwards, so the rest
 session sees no torch. The tokenizer must hand back numpy arrays where SpecForge asks for
 "pt" tensors: ``numpy_tensors`` does that for one tokenizer instance.
 
+``load_specforge_offline`` imports SpecForge's offline training data path (the manifest reader, the
+feature store, the loader, the EAGLE-3 normalisation and collator) from the same wheel with the real
+torch, which it needs: the transformers capture backend's tests (tests/test_capture_hf.py) load
+budgetq's ``specforge-offline`` export through it.
+
 Also ``validate_row``: SpecForge's validator contract, restated (its scripts/ are not in
 the wheel or the sdist, so it cannot be imported from the registry).
 """
@@ -63,6 +68,15 @@ def _wheel() -> Path:
     return found[0]
 
 
+def _unpacked(wheel: Path) -> Path:
+    """The wheel's files, unpacked once into the cache."""
+    root = _cache() / f"specforge-{SPECFORGE_VERSION}-src"
+    if not (root / "specforge" / "data" / "preprocessing.py").exists():
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(root)
+    return root
+
+
 def _torch_stub() -> dict[str, types.ModuleType]:
     """What ``import torch`` must provide for specforge.data's CPU preprocessing, on numpy."""
     torch = types.ModuleType("torch")
@@ -94,11 +108,7 @@ def _package(name: str, path: Path) -> types.ModuleType:
 
 def load_specforge() -> types.SimpleNamespace:
     """SpecForge's preprocessing, parse and template modules from the PyPI wheel."""
-    wheel = _wheel()
-    root = _cache() / f"specforge-{SPECFORGE_VERSION}-src"
-    if not (root / "specforge" / "data" / "preprocessing.py").exists():
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extractall(root)
+    root = _unpacked(_wheel())
     distributed = types.ModuleType("specforge.distributed")
     distributed.get_draft_sp_group = distributed.get_sp_ring_group = lambda *a, **k: None
     shells = {"specforge": _package("specforge", root / "specforge"),
@@ -126,6 +136,51 @@ def load_specforge() -> types.SimpleNamespace:
             else:
                 sys.modules[name] = mod
     return types.SimpleNamespace(preprocessing=pre, parse=parse, template=template, root=root)
+
+
+def load_specforge_offline() -> types.SimpleNamespace:
+    """SpecForge's offline training data path, with the real torch (it ``torch.load``s the .ckpt files), as
+    its trainer assembles it (specforge/launch.py, the offline runtime; the EAGLE-3 providers,
+    specforge/algorithms/eagle3/data.py): ``OfflineManifestReader`` lists the files,
+    ``LocalFeatureStore`` reads them, ``FeatureDataLoader`` applies ``normalize_offline_sample`` and
+    collates with ``DataCollatorWithPadding``; also the older ``OfflineEagle3Dataset``.
+
+    Imported from the same wheel in module shells of its own: ``load_specforge`` may have left its
+    torch-stubbed ``specforge.*`` modules in ``sys.modules``, and they stay as they were.
+    ``specforge.distributed`` is a stub (its real module imports the training stack; the data path
+    without process groups calls none of it)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SpecForgeUnavailable("torch is not installed (SpecForge's offline loader torch.loads files)") from None
+    root = _unpacked(_wheel())
+    distributed = types.ModuleType("specforge.distributed")
+    distributed.get_draft_sp_group = distributed.get_sp_ring_group = lambda *a, **k: None
+    distributed.get_sp_ulysses_group = lambda *a, **k: None
+    shells = {"specforge": _package("specforge", root / "specforge"),
+              "specforge.distributed": distributed}
+    wanted = {"preprocessing": "specforge.data.preprocessing", "utils": "specforge.data.utils",
+              "eagle3": "specforge.algorithms.eagle3.data",
+              "reader": "specforge.runtime.data_plane.offline_reader",
+              "store": "specforge.runtime.data_plane.feature_store",
+              "loader": "specforge.runtime.data_plane.feature_dataloader"}
+    saved = {name: mod for name, mod in sys.modules.items() if name == "specforge" or name.startswith("specforge.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.modules.update(shells)
+    try:
+        mods = {key: importlib.import_module(name) for key, name in wanted.items()}
+    finally:
+        for name in [n for n in sys.modules if n == "specforge" or n.startswith("specforge.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+    return types.SimpleNamespace(
+        OfflineManifestReader=mods["reader"].OfflineManifestReader, LocalFeatureStore=mods["store"].LocalFeatureStore,
+        FeatureDataLoader=mods["loader"].FeatureDataLoader,
+        normalize_offline_sample=mods["eagle3"].normalize_offline_sample,
+        DataCollatorWithPadding=mods["utils"].DataCollatorWithPadding,
+        OfflineEagle3Dataset=mods["preprocessing"].OfflineEagle3Dataset,
+        list_local_files=mods["preprocessing"].list_local_files, root=root)
 
 
 def numpy_tensors(tokenizer: Any) -> Any:

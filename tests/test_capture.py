@@ -83,6 +83,51 @@ def test_produce_captures_every_row_and_leaves_other_datasets_alone(tmp_path, re
         procs.stop_all()
 
 
+def test_produce_captures_with_the_transformers_backend(tmp_path, redis_url, conn, sim_factory):
+    """capture: features with features.backend: transformers: `budgetq worker` loads the target (a random Llama
+    built here) and serves the features jobs beside generation; the simulator only generates (started without
+    --enable-return-hidden-states, it would answer a hidden-states prefill with a 400). produce ends with every
+    row generated once and captured once, each sample in exactly one shard, its last layer and aux layers bit
+    for bit the model's own pass over the row's tokens."""
+    pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from tests.test_capture_hf import HIDDEN as HF_HIDDEN
+    from tests.test_capture_hf import LAYERS, check_hf_samples
+    from tests.tiny_llama import make_tiny_llama
+
+    sim = sim_factory("--speedup", "50", "--length-mean", "20")
+    cfg, ids_a, ids_b = capture_config(tmp_path, redis_url, sim, 16, 4, concurrency=8)
+    raw = yaml.safe_load(cfg.read_text())
+    model = make_tiny_llama(tmp_path / "llama", len(AutoTokenizer.from_pretrained(raw["server"]["tokenizer"])),
+                            HF_HIDDEN, LAYERS)
+    raw["features"].update({"backend": "transformers", "dtype": "bfloat16", "shard_mb": 0.05, "model": {
+        "path": model, "attn_implementation": "eager", "max_batch_tokens": 256}})
+    cfg.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.worker()
+        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                             text=True, timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "hidden states A: 16 samples on disk (16 captured this run, 0 failed" in res.stdout, res.stdout
+        check_invariants(conn, out, "A", ids_a)
+        check_invariants(conn, out, "B", ids_b)
+        committed = [r["id"] for r in rows(out / "A.jsonl")]
+        assert sorted(committed) == sorted(ids_a)
+        check_hf_samples(out, model, committed)
+        assert len(list(features_dir(out, "A").glob("*.safetensors"))) > 1
+        assert conn.xlen(keys.features_results_key("A")) == 0
+        assert int(conn.get(keys.features_pending_key("A")) or 0) == 0
+        assert not features_dir(out, "B").exists()
+        check = subprocess.run([*PY, "features", "--check", "--dataset", "A", "-c", str(cfg)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0 and "A: consistent" in check.stdout, check.stdout + check.stderr
+    finally:
+        procs.stop_all()
+
+
 @pytest.mark.parametrize("kill", ["sigkill", "between_shard_and_index"])
 def test_sigkill_mid_run_then_restart_loses_and_duplicates_nothing(tmp_path, redis_url, conn, sim_factory, kill):
     """produce SIGKILLed while both generation and capture are under way (from outside once hidden states

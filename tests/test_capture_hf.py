@@ -8,6 +8,7 @@ subprocesses, shards, SpecForge's offline files), including a worker SIGKILLed m
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -23,7 +24,7 @@ torch = pytest.importorskip("torch")
 from budgetq.hidden_states.capture.decode import HiddenStatesError  # noqa: E402
 from budgetq.hidden_states.capture.transformers_backend import HookedModel, TransformersBackend, load_model, take_batch  # noqa: E402
 from budgetq.hidden_states.schema import FeaturesPayload  # noqa: E402
-from budgetq.hidden_states.store.safetensors_io import read_tensor  # noqa: E402
+from budgetq.hidden_states.store.safetensors_io import read_header, read_tensor  # noqa: E402
 from budgetq.hidden_states.store.shards import features_dir, index_rows  # noqa: E402
 from budgetq.shared import keys  # noqa: E402
 from budgetq.shared.config import Config  # noqa: E402
@@ -31,6 +32,7 @@ from budgetq.shared.config_features import FeaturesModelConfig  # noqa: E402
 from budgetq.shared.config_load import load_config  # noqa: E402
 from budgetq.shared.errors import ConfigError  # noqa: E402
 from tests.helpers import PY, ROOT, Procs, wait_for  # noqa: E402
+from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline  # noqa: E402
 from tests.test_features import run_features, write_rows  # noqa: E402
 from tests.tiny_llama import make_tiny_llama  # noqa: E402
 from tests.tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
@@ -48,8 +50,16 @@ def tiny(tmp_path_factory) -> tuple[str, str]:
     return tok, make_tiny_llama(d / "llama", len(AutoTokenizer.from_pretrained(tok)), HIDDEN, LAYERS)
 
 
-def _bf16(data: bytes, shape: list[int]) -> torch.Tensor:
+def _bf16(data: bytes | memoryview, shape: list[int]) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.bfloat16).reshape(shape)
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit: same dtype, shape and 16-bit patterns (torch.equal compares values: +0 == -0, and a NaN
+    never equals itself)."""
+    assert got.dtype == want.dtype and got.element_size() == 2, (got.dtype, want.dtype)
+    return got.shape == want.shape and torch.equal(got.contiguous().view(torch.int16),
+                                                   want.contiguous().view(torch.int16))
 
 
 def _own(model, ids: list[int]) -> tuple:
@@ -74,6 +84,8 @@ def test_layers_are_sglangs_and_specforges_eagle3_capture():
 
 
 def test_captured_bytes_are_the_models_own_hidden_states_bit_for_bit(tiny):
+    zero, minus_zero = torch.zeros(1, dtype=torch.bfloat16), -torch.zeros(1, dtype=torch.bfloat16)
+    assert torch.equal(zero, minus_zero) and not same_bits(zero, minus_zero), "the comparison below is of bits"
     _, path = tiny
     hooked = load_model(FeaturesModelConfig(path=path, attn_implementation="eager"), "bfloat16")
     # Hooks on exactly the aux layers and the final norm, nothing else.
@@ -86,9 +98,9 @@ def test_captured_bytes_are_the_models_own_hidden_states_bit_for_bit(tiny):
         assert not isinstance(c, HiddenStatesError)
         own = _own(hooked.model, ids)
         assert c.shape == [len(ids), HIDDEN] and c.aux_shape == [len(ids), 3 * HIDDEN]
-        assert torch.equal(_bf16(c.data, c.shape), own[-1][0]), "target = the final norm's output"
+        assert same_bits(_bf16(c.data, c.shape), own[-1][0]), "target = the final norm's output"
         want_aux = torch.cat([own[i + 1][0] for i in (1, 3, 4)], dim=-1)
-        assert torch.equal(_bf16(c.aux, c.aux_shape), want_aux), "aux = outputs of decoder layers 1, 3, 4"
+        assert same_bits(_bf16(c.aux, c.aux_shape), want_aux), "aux = outputs of decoder layers 1, 3, 4"
     # sdpa (transformers' default): a padded batch's kernels differ from a lone sample's in the last bits, so the
     # reference is the model's own output_hidden_states on the same padded batch; a batch of one is its own pass.
     sdpa = load_model(FeaturesModelConfig(path=path, attn_implementation="sdpa", aux_layers=[0, 6]), "bfloat16")
@@ -100,10 +112,10 @@ def test_captured_bytes_are_the_models_own_hidden_states_bit_for_bit(tiny):
     with torch.inference_mode():
         own = sdpa.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states
     for row, (s, c) in enumerate(zip(samples, got, strict=True)):
-        assert torch.equal(_bf16(c.data, c.shape), own[-1][row, :len(s)])
-        assert torch.equal(_bf16(c.aux, c.aux_shape), torch.cat([own[1][row, :len(s)], own[7][row, :len(s)]], -1))
+        assert same_bits(_bf16(c.data, c.shape), own[-1][row, :len(s)])
+        assert same_bits(_bf16(c.aux, c.aux_shape), torch.cat([own[1][row, :len(s)], own[7][row, :len(s)]], -1))
     alone = sdpa.run([samples[1]])[0]
-    assert torch.equal(_bf16(alone.data, alone.shape), _own(sdpa.model, samples[1])[-1][0])
+    assert same_bits(_bf16(alone.data, alone.shape), _own(sdpa.model, samples[1])[-1][0])
 
 
 def test_float16_output_and_last_layer_only(tiny):
@@ -112,7 +124,7 @@ def test_float16_output_and_last_layer_only(tiny):
     c = hooked.run([[3, 4, 5]])[0]
     assert c.aux is None and c.aux_shape is None and len(c.data) == 3 * HIDDEN * 2
     own = _own(hooked.model, [3, 4, 5])[-1][0].to(torch.float16)
-    assert torch.equal(torch.frombuffer(bytearray(c.data), dtype=torch.float16).reshape(3, HIDDEN), own)
+    assert same_bits(torch.frombuffer(bytearray(c.data), dtype=torch.float16).reshape(3, HIDDEN), own)
 
 
 def test_batches_pack_by_token_count_and_bad_input_fails_one_job(tiny, tmp_path):
@@ -168,19 +180,24 @@ def check_hf_samples(out: Path, model_path: str, ids: list[str]) -> None:
     d = features_dir(out, "A")
     rows = index_rows(d / "index.jsonl")
     assert sorted(r["id"] for r in rows) == sorted(ids) and len(rows) == len(set(r["id"] for r in rows))
+    in_shards = [s["id"] for shard in sorted(d.glob("*.safetensors"))
+                 for s in json.loads(read_header(shard)[0]["__metadata__"]["samples"])]
+    assert sorted(in_shards) == sorted(ids), "each sample in exactly one shard"
     for r in rows:
         own = _own(model, r["input_ids"])
         t = read_tensor(d / r["shard"], f"{r['key']}.hidden_state")
         a = read_tensor(d / r["shard"], f"{r['key']}.aux_hidden_state")
         assert t.dtype == "BF16" and t.shape == [len(r["input_ids"]), HIDDEN] and a.shape == [t.shape[0], 3 * HIDDEN]
-        assert torch.equal(_bf16(t.data, t.shape), own[-1][0]), r["id"]
-        assert torch.equal(_bf16(a.data, a.shape), torch.cat([own[i + 1][0] for i in (1, 3, 4)], -1)), r["id"]
+        assert same_bits(_bf16(t.data, t.shape), own[-1][0]), r["id"]
+        assert same_bits(_bf16(a.data, a.shape), torch.cat([own[i + 1][0] for i in (1, 3, 4)], -1)), r["id"]
 
 
-def test_transformers_backend_end_to_end_with_specforge_export(tmp_path, redis_url, conn, tiny):
+def capture_and_export(tmp_path: Path, redis_url: str, tiny: tuple[str, str], n: int) -> tuple[Path, Path, list[str]]:
+    """n rows captured by `budgetq features` + a transformers `budgetq features-worker`, then exported as
+    SpecForge's offline files: (config, out dir, the row ids)."""
     cfg = hf_config(tmp_path, redis_url, tiny)
     out = tmp_path / "out"
-    ids = write_rows(out, "A", 14)
+    ids = write_rows(out, "A", n)
     procs = Procs(cfg, tmp_path)
     try:
         procs.start("features-worker")
@@ -188,14 +205,19 @@ def test_transformers_backend_end_to_end_with_specforge_export(tmp_path, redis_u
         assert res.returncode == 0, res.stdout + res.stderr
     finally:
         procs.stop_all()
-    check_hf_samples(out, tiny[1], ids)
-    assert len({r["shard"] for r in index_rows(features_dir(out, "A") / "index.jsonl")}) > 1
-    res = run_features(cfg, "--check")
-    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
     # SpecForge's offline layout, aux included, from one pass of one worker (no second server)
     res = subprocess.run([*PY, "export", "-c", str(cfg), "--format", "specforge-offline"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "aux_hidden_state" not in res.stdout + res.stderr, res.stdout + res.stderr
+    return cfg, out, ids
+
+
+def test_transformers_backend_end_to_end_with_specforge_export(tmp_path, redis_url, conn, tiny):
+    cfg, out, ids = capture_and_export(tmp_path, redis_url, tiny, 14)
+    check_hf_samples(out, tiny[1], ids)
+    assert len({r["shard"] for r in index_rows(features_dir(out, "A") / "index.jsonl")}) > 1
+    res = run_features(cfg, "--check")
+    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
     files = sorted((out / "A.specforge-offline").rglob("*.ckpt"))
     assert len(files) == 14
     point = torch.load(files[0])
@@ -203,6 +225,63 @@ def test_transformers_backend_end_to_end_with_specforge_export(tmp_path, redis_u
     n = point["input_ids"].shape[0]
     assert point["hidden_state"].shape == (1, n, HIDDEN) and point["aux_hidden_state"].shape == (1, n, 3 * HIDDEN)
     assert point["aux_hidden_state"].dtype == torch.bfloat16 and point["input_ids"].dtype == torch.int64
+
+
+@pytest.fixture(scope="module")
+def specforge_offline():
+    try:
+        return load_specforge_offline()
+    except SpecForgeUnavailable as exc:
+        pytest.skip(f"SpecForge's own offline loader not run: {exc}")
+
+
+def test_the_export_loads_through_specforges_own_offline_training_path(tmp_path, redis_url, conn, tiny,
+                                                                        specforge_offline):
+    """The files read as SpecForge's offline trainer reads them (specforge/launch.py's offline runtime:
+    OfflineManifestReader lists and, validating, opens every file; LocalFeatureStore reads it;
+    FeatureDataLoader applies EAGLE-3's normalize_offline_sample and collates with DataCollatorWithPadding),
+    and by its older OfflineEagle3Dataset: every sample once, its tensors bit for bit the model's own pass,
+    the loss mask on the answer (SpecForge zeroes the last position)."""
+    from functools import partial
+    from urllib.parse import urlparse
+
+    from transformers import AutoModel
+
+    sf = specforge_offline
+    _, out, ids = capture_and_export(tmp_path, redis_url, tiny, 5)
+    target = out / "A.specforge-offline"
+    rows = dict(enumerate(index_rows(features_dir(out, "A") / "index.jsonl")))   # data_<i>.ckpt: index row i
+    model = AutoModel.from_pretrained(tiny[1], dtype=torch.bfloat16, attn_implementation="eager").eval()
+
+    def check(row: dict, input_ids, loss_mask, target_state, aux_state) -> None:
+        own = _own(model, row["input_ids"])
+        assert input_ids.tolist() == row["input_ids"] and input_ids.dtype == torch.int64
+        assert loss_mask.tolist() == row["loss_mask"][:-1] + [0] and 1 in row["loss_mask"]
+        assert same_bits(target_state, own[-1][0]), row["id"]
+        assert same_bits(aux_state, torch.cat([own[i + 1][0] for i in (1, 3, 4)], -1)), row["id"]
+
+    refs = sf.OfflineManifestReader(str(target), run_id="budgetq", validate_files=True).read()
+    assert len(refs) == 5 and all(r.num_tokens > 0 for r in refs)
+    row_of = {r.sample_id: rows[int(Path(urlparse(r.feature_store_uri).path).stem.split("_")[1])] for r in refs}
+    loader = sf.FeatureDataLoader(sf.LocalFeatureStore("budgetq"), refs=refs, batch_size=2, drop_last=False,
+                                  collate_fn=sf.DataCollatorWithPadding(),
+                                  per_sample_transform=partial(sf.normalize_offline_sample, max_len=2048))
+    seen = []
+    for batch in loader:
+        t = batch.tensors
+        for j, sid in enumerate(batch.sample_ids):
+            row = row_of[sid]
+            n = len(row["input_ids"])
+            assert t["attention_mask"][j].tolist() == [1] * n + [0] * (t["attention_mask"].shape[1] - n)
+            check(row, t["input_ids"][j, :n], t["loss_mask"][j, :n], t["target"][j, :n], t["hidden_state"][j, :n])
+            seen.append(row["id"])
+    assert sorted(seen) == sorted(ids)
+    older = sf.OfflineEagle3Dataset(sf.list_local_files(str(target)))
+    assert len(older) == 5
+    for i, path in enumerate(older.datapaths):
+        item = older[i]
+        check(rows[int(Path(path).stem.split("_")[1])], item["input_ids"][0], item["loss_mask"][0],
+              item["target"][0], item["hidden_state"][0])
 
 
 def test_worker_sigkilled_mid_run_then_restarted_loses_and_duplicates_nothing(tmp_path, redis_url, conn, tiny):
@@ -281,6 +360,11 @@ def test_bench_transformers_smoke_prints_the_ratio():
                            "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tables = parse_md_tables(proc.stdout)
-    assert len(tables) == 2, proc.stdout
-    assert all(number(r["ratio pipeline / bare"]) > 0 and number(r["forward passes"]) >= 1 for r in tables[0])
-    assert [number(r["tok/s"]) > 0 for r in tables[1]] == [True, True]
+    assert len(tables) == 4, proc.stdout
+    ratios, where, cpu, http = tables
+    assert [r["rep"] for r in ratios] == ["1", "all", "median"]
+    assert all(number(r["ratio pipeline / bare"]) > 0 and number(r["forward passes"]) >= 1 for r in ratios)
+    # the passes ran inside the pipeline's clock, one after another
+    assert all(number(r["pipeline"]) >= number(r["forward passes in the worker"]) > 0 for r in where)
+    assert all(number(r["collector (budgetq features)"]) > 0 for r in cpu)
+    assert [number(r["tok/s"]) > 0 for r in http] == [True, True]

@@ -12,11 +12,12 @@ from budgetq.hidden_states.schema import FeaturesPayload
 
 @dataclass
 class Captured:
-    """One sample's tensors: ``data`` [tokens, hidden] (the target), ``aux`` [tokens, 3 x hidden] or None."""
+    """One sample's tensors: ``data`` [tokens, hidden] (the target), ``aux`` [tokens, 3 x hidden] or None, as
+    little-endian bytes (a memoryview of the transformers backend's batch tensor: read, never kept)."""
 
-    data: bytes
+    data: bytes | memoryview
     shape: list[int]
-    aux: bytes | None = None
+    aux: bytes | memoryview | None = None
     aux_shape: list[int] | None = None
     endpoint: str = ""
 

@@ -3,7 +3,10 @@
 The worker loads features.model once; each claimed job queues its token ids here, a loop packs
 what is queued into batches by token count (padding included, features.model.max_batch_tokens)
 and runs one forward pass per batch in a thread (torch releases the GIL: the event loop keeps
-claiming, XADDing and heartbeating meanwhile). Forward hooks sit on exactly the layers needed:
+claiming, XADDing and heartbeating meanwhile). What a pass caught becomes bytes in a second thread
+while the next pass runs (``keep``, then ``unpack``): the forward thread does nothing but passes.
+The bytes are views of the batch's host tensors, sent to Redis without a copy; on an accelerator one
+copy per tensor per batch brings them to host memory. Forward hooks sit on exactly the layers needed:
 
 - EAGLE-3's three aux layers, numbered as SpecForge numbers them: the output of decoder layer i,
   default ``[1, L // 2 - 1, L - 4]`` (SpecForge specforge/modeling/target/eagle3_target_model.py
@@ -25,9 +28,10 @@ bytes written equal those, bit for bit. The lm_head is not loaded (AutoModel): n
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +45,8 @@ from budgetq.shared.config_features import FeaturesModelConfig
 from budgetq.shared.errors import ConfigError
 
 log = logging.getLogger("budgetq.features")
+# Set (bench/features.py): each forward pass appends a JSON line with its timings and sample lengths to this file.
+PASS_LOG_ENV = "BUDGETQ_FEATURES_PASS_LOG"
 
 
 def _torch() -> Any:
@@ -116,33 +122,78 @@ class HookedModel:
         with torch.inference_mode():
             self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
 
-    def run(self, batch: list[list[int]]) -> list[Captured | HiddenStatesError]:
-        """One forward pass; per sample its target and aux rows (padding cut), as bytes, or why it failed."""
-        torch = _torch()
+    def keep(self, batch: list[list[int]]) -> Kept:
+        """The pass with its hooks (the forward thread): the tensors they caught. On an accelerator the rest of
+        this batch's device work (cast, concatenation, finiteness) and its one copy to host memory are done
+        here, queued behind the pass and before the next one; on the CPU that work is left to ``unpack``,
+        which runs in another thread beside the next pass."""
         self._got.clear()
         try:
             self.forward(batch)
-            target = self._got["norm"]
-            aux = torch.cat([self._got[i] for i in self.aux], dim=-1) if self.aux else None
+            kept = Kept([len(s) for s in batch], self._got["norm"], [self._got[i] for i in self.aux])
         finally:
             self._got.clear()
+        if self.device.type != "cpu":
+            self._to_host(kept)
+        return kept
+
+    def _to_host(self, kept: Kept) -> None:
+        """Cast, concatenate the aux layers, flag each sample finite or not, all for the whole batch at once,
+        then one copy per tensor to host memory (one device sync per batch, not several per sample)."""
+        torch = _torch()
+        target = kept.target.to(self.out_dtype).contiguous()
+        aux = (torch.cat([t.to(target.device) for t in kept.layers], dim=-1).to(self.out_dtype)
+               if kept.layers else None)
+        lengths = torch.tensor(kept.lengths, device=target.device)
+        padding = torch.arange(target.shape[1], device=target.device)[None, :] >= lengths[:, None]
+        finite = torch.isfinite(target).all(-1)
+        if aux is not None:
+            finite &= torch.isfinite(aux).all(-1)
+        kept.finite = (finite | padding).all(-1).cpu().tolist()
+        kept.target, kept.aux, kept.layers = target.cpu(), aux.cpu() if aux is not None else None, []
+
+    def unpack(self, kept: Kept) -> list[Captured | HiddenStatesError]:
+        """Per sample its target and aux rows (padding cut), as views of the batch's host tensors (no copy:
+        the worker's XADD reads them), or why it failed."""
+        if kept.finite is None:
+            self._to_host(kept)
+        assert kept.finite is not None
+        torch = _torch()
+        target = kept.target.view(torch.int16)  # numpy has no bfloat16: the bytes travel as int16
+        aux = kept.aux.view(torch.int16) if kept.aux is not None else None
         out: list[Captured | HiddenStatesError] = []
-        for row, sample in enumerate(batch):
-            n = len(sample)
-            t = target[row, :n]
-            a = aux[row, :n] if aux is not None else None
-            if not bool(torch.isfinite(t).all()) or (a is not None and not bool(torch.isfinite(a).all())):
+        for row, n in enumerate(kept.lengths):
+            if not kept.finite[row]:
                 out.append(HiddenStatesError("hidden states hold NaN or inf"))
                 continue
-            out.append(Captured(_bytes(t, self.out_dtype), [n, int(t.shape[-1])],
-                                _bytes(a, self.out_dtype) if a is not None else None,
+            a = aux[row, :n] if aux is not None else None
+            out.append(Captured(_view(target[row, :n]), [n, int(target.shape[-1])],
+                                _view(a) if a is not None else None,
                                 [n, int(a.shape[-1])] if a is not None else None, endpoint="transformers"))
         return out
 
+    def run(self, batch: list[list[int]]) -> list[Captured | HiddenStatesError]:
+        """One pass and its unpacking, in this thread (tests, the warm-up pass)."""
+        return self.unpack(self.keep(batch))
 
-def _bytes(t: Any, dtype: Any) -> bytes:
-    """Little-endian float16/bfloat16 bytes of a 2-D tensor (numpy has no bfloat16: viewed as int16)."""
-    return bytes(t.to(dtype=dtype).contiguous().cpu().view(_torch().int16).numpy().tobytes())
+
+@dataclass
+class Kept:
+    """One pass's tensors on their way from the hooks to the bytes: ``target`` [B, T, H]; ``layers`` the aux
+    layers' outputs until ``_to_host`` makes them ``aux`` [B, T, 3H]; ``finite`` per sample, set there too."""
+
+    lengths: list[int]
+    target: Any
+    layers: list[Any]
+    aux: Any = None
+    finite: list[bool] | None = None
+
+
+def _view(t: Any) -> memoryview:
+    """The little-endian bytes of a contiguous 2-D int16 tensor on the host, without a copy. The view keeps the
+    batch's tensor alive until the sample is XADDed; redis-py sends a memoryview as it is (bytes would be
+    copied once more into one packed command)."""
+    return memoryview(t.numpy()).cast("B")
 
 
 def load_model(m: FeaturesModelConfig, out_dtype: str) -> HookedModel:
@@ -201,17 +252,18 @@ class TransformersBackend:
         self.pending: list[_Pending] = []
         self.passes = 0            # forward passes run
         self.batched = 0           # samples they carried
-        # The last passes' sample lengths (bench/features.py replays them as bare forward passes).
-        self.batch_lengths: deque[list[int]] = deque(maxlen=10_000)
+        self.pass_log = os.environ.get(PASS_LOG_ENV)
 
     async def start(self) -> None:
         t0 = time.monotonic()
         self.hooked = await asyncio.to_thread(load_model, self.m, self.out_dtype)
         await asyncio.to_thread(self.hooked.run, [[0] * 8])  # a first pass now: lazy kernel set-up, a broken model
-        log.info("features: %s loaded in %.1f s (%d layers, hidden %d, aux layers %s, on %s)", self.m.path,
-                 time.monotonic() - t0, len(self.hooked.layers), self.hooked.hidden, self.hooked.aux,
-                 self.hooked.device)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="budgetq-forward")  # one pass at a time
+        log.info("features: %s loaded in %.1f s (%d layers, hidden %d, aux layers %s, on %s, %d torch threads)",
+                 self.m.path, time.monotonic() - t0, len(self.hooked.layers), self.hooked.hidden, self.hooked.aux,
+                 self.hooked.device, _torch().get_num_threads())
+        # One pass at a time; a pass's tensors become bytes in a second thread while the next pass runs.
+        self.forward_pool = ThreadPoolExecutor(1, thread_name_prefix="budgetq-forward")
+        self.unpack_pool = ThreadPoolExecutor(1, thread_name_prefix="budgetq-unpack")
         self.wake = asyncio.Event()
         self.loop_task = asyncio.create_task(self._batches())
 
@@ -233,43 +285,97 @@ class TransformersBackend:
             if p in self.pending:  # cancelled (the worker stops) before its pass
                 self.pending.remove(p)
 
+    async def _next_batch(self) -> list[_Pending]:
+        while not self.pending:
+            self.wake.clear()
+            await self.wake.wait()
+        # The other jobs' samples are on their way (claims, payloads): a short wait fills the batch.
+        wait = self.m.batch_wait_s - (time.monotonic() - self.pending[0].queued_at)
+        if wait > 0 and sum(len(p.ids) for p in self.pending) < self.m.max_batch_tokens:
+            await asyncio.sleep(wait)
+        n = take_batch([p.ids for p in self.pending], self.m.max_batch_tokens)
+        batch, self.pending = self.pending[:n], self.pending[n:]
+        return [p for p in batch if not p.future.done()]
+
     async def _batches(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            if not self.pending:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            # The other jobs' samples are on their way (claims, payloads): a short wait fills the batch.
-            wait = self.m.batch_wait_s - (time.monotonic() - self.pending[0].queued_at)
-            if wait > 0 and sum(len(p.ids) for p in self.pending) < self.m.max_batch_tokens:
-                await asyncio.sleep(wait)
-            n = take_batch([p.ids for p in self.pending], self.m.max_batch_tokens)
-            batch, self.pending = self.pending[:n], self.pending[n:]
-            batch = [p for p in batch if not p.future.done()]
-            if not batch:
-                continue
-            try:
-                results = await loop.run_in_executor(self.executor, self.hooked.run, [p.ids for p in batch])
-            except Exception as exc:  # noqa: BLE001 - out of memory, a device error: these jobs fail, saying why
-                msg = f"forward pass of {len(batch)} samples failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-                log.error("features: %s", msg)
-                results = [HiddenStatesError(msg)] * len(batch)
-            self.passes += 1
-            self.batched += len(batch)
-            self.batch_lengths.append([len(p.ids) for p in batch])
-            for p, r in zip(batch, results, strict=True):
-                if p.future.done():
+        unpacking: asyncio.Task | None = None
+        try:
+            while True:
+                batch = await self._next_batch()
+                if not batch:
                     continue
-                if isinstance(r, Exception):
-                    p.future.set_exception(r)
-                else:
-                    p.future.set_result(r)
+                started = time.time()
+                try:
+                    kept, fwd = await loop.run_in_executor(self.forward_pool, _timed, self.hooked.keep,
+                                                           [p.ids for p in batch])
+                except Exception as exc:  # noqa: BLE001 - out of memory, a device error: these jobs fail, saying why
+                    self._fail(batch, f"forward pass of {len(batch)} samples failed: {_reason(exc)}")
+                    continue
+                if unpacking is not None:
+                    # One pass's tensors are unpacked at a time (it ran beside this pass): the worker holds at
+                    # most two passes' outputs.
+                    await unpacking
+                unpacking = asyncio.create_task(self._unpack(batch, kept, started, fwd))
+        finally:
+            if unpacking is not None:
+                unpacking.cancel()
+                await asyncio.gather(unpacking, return_exceptions=True)
+
+    async def _unpack(self, batch: list[_Pending], kept: Kept, started: float, fwd: tuple[float, float]) -> None:
+        try:
+            results, unpacked = await asyncio.get_running_loop().run_in_executor(self.unpack_pool, _timed,
+                                                                                 self.hooked.unpack, kept)
+        except Exception as exc:  # noqa: BLE001 - a device error surfacing at the copy: these jobs fail, saying why
+            self._fail(batch, f"reading the hidden states of {len(batch)} samples failed: {_reason(exc)}")
+            return
+        del kept
+        self.passes += 1
+        self.batched += len(batch)
+        lengths = [len(p.ids) for p in batch]
+        log.debug("features: pass of %d samples, %d tokens: forward %.3f s, unpack %.3f s", len(batch),
+                  sum(lengths), fwd[0], unpacked[0])
+        if self.pass_log:
+            self._log_pass(started, fwd, unpacked, lengths)
+        for p, r in zip(batch, results, strict=True):
+            if p.future.done():
+                continue
+            if isinstance(r, Exception):
+                p.future.set_exception(r)
+            else:
+                p.future.set_result(r)
+
+    def _fail(self, batch: list[_Pending], msg: str) -> None:
+        log.error("features: %s", msg)
+        for p in batch:
+            if not p.future.done():
+                p.future.set_exception(HiddenStatesError(msg))
+
+    def _log_pass(self, started: float, fwd: tuple[float, float], unpacked: tuple[float, float],
+                  lengths: list[int]) -> None:
+        """One JSON line per pass (bench/features.py reads them: where the time goes, the batches to replay)."""
+        assert self.pass_log is not None
+        line = {"start": started, "forward_s": fwd[0], "forward_cpu_s": fwd[1], "unpack_s": unpacked[0],
+                "unpack_cpu_s": unpacked[1], "lengths": lengths, "threads": _torch().get_num_threads()}
+        with open(self.pass_log, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
 
     async def close(self) -> None:
         if hasattr(self, "loop_task"):
             self.loop_task.cancel()
             await asyncio.gather(self.loop_task, return_exceptions=True)
-            self.executor.shutdown(wait=True)
+            self.forward_pool.shutdown(wait=True)
+            self.unpack_pool.shutdown(wait=True)
             log.info("features: %d forward passes, %.1f samples each", self.passes,
                      self.batched / self.passes if self.passes else 0.0)
+
+
+def _timed(fn: Callable[[Any], Any], arg: Any) -> tuple[Any, tuple[float, float]]:
+    """``fn(arg)`` and (wall seconds, this thread's CPU seconds) it took."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    out = fn(arg)
+    return out, (time.perf_counter() - t0, time.thread_time() - c0)
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"

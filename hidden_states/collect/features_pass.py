@@ -49,6 +49,9 @@ JOB_FUNC = "budgetq.hidden_states.capture.features_worker.run_features_job"
 FAILURE_TTL_S = 7 * 86400
 READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
 MAINTAIN_EVERY_S = 2.0
+# Rows tokenized and enqueued per round of the loop: the first jobs reach the workers after this many rows,
+# not after features.high_water of them (~1 ms a row to tokenize), and results are collected in between.
+ENQUEUE_CHUNK = 32
 # --follow: a shard still short of shard_mb is written after this long without new results, so what
 # trickles in reaches the disk (and leaves Redis) in bounded time.
 FOLLOW_FLUSH_IDLE_S = 30.0
@@ -77,6 +80,7 @@ class DatasetPass:
     unmarked: list[str] = field(default_factory=list)  # ids written to disk, not yet in the Redis done set
     relost: set[str] = field(default_factory=set)  # ids whose job Redis lost, enqueued again (_requeue_lost)
     last_result: float = 0.0   # monotonic time of the last stream read that got something
+    failed_checked: float = 0.0  # monotonic time of the last _forget_failed
 
 
 @dataclass
@@ -225,7 +229,8 @@ class FeaturesPass:
     def _enqueue(self, p: DatasetPass) -> bool:
         if p.rows_done or self.guard.reason:
             return False
-        room = self.cfg.features.high_water - self.conn.llen(keys.rq_queue_key(keys.features_name(p.ds.name)))
+        room = min(ENQUEUE_CHUNK,
+                   self.cfg.features.high_water - self.conn.llen(keys.rq_queue_key(keys.features_name(p.ds.name))))
         batch: list[FeaturesPayload] = []
         outstanding_tokens = sum(sum(q.outstanding.values()) for q in self.passes)
         while len(batch) < room:
@@ -304,8 +309,9 @@ class FeaturesPass:
                     p.duplicates += 1  # a retried job's second copy
                 if p.store.buffer_bytes >= limit:
                     self._flush(p)
-        # Jobs that failed are not coming back: stop counting them as outstanding.
-        if p.outstanding and not got:
+        # Jobs that failed are not coming back: stop counting them as outstanding. Every few seconds, not at
+        # every idle poll (50 ms): it reads the status of each outstanding job. The end of the pass checks anew.
+        if p.outstanding and not got and time.monotonic() - p.failed_checked > MAINTAIN_EVERY_S:
             self._forget_failed(p)
         return got
 
@@ -326,6 +332,7 @@ class FeaturesPass:
         p.unmarked.clear()
 
     def _forget_failed(self, p: DatasetPass) -> None:
+        p.failed_checked = time.monotonic()
         name = keys.features_name(p.ds.name)
         pipe = self.conn.pipeline(transaction=False)
         pids = list(p.outstanding)
