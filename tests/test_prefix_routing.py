@@ -99,8 +99,11 @@ def test_prefix_routing_end_to_end_groups_land_on_one_server_and_status_shows_ca
     try:
         procs.worker("--concurrency", "1")     # one at a time: in flight never binds, the key alone decides
         assert procs.producer().wait(120) == 0
+        sim_cached = sum(sim_get(u, "/sim/stats")["cached_tokens"] for u in sims)
+        # the worker publishes its counts about once a second: wait for the last requests' to arrive
         snap = wait_for(lambda: (s := snapshot(conn, redis_url, sims)) and
-                        sum(e["cached_tokens"] for e in s["endpoints"]) > 0 and s, 30, "cached tokens in status")
+                        sum(e["cached_tokens"] for e in s["endpoints"]) == sim_cached and s, 30,
+                        "every cached token in status")
     finally:
         procs.stop_all()
     assert len(rows(tmp_path / "out" / "D.jsonl")) == 48
@@ -110,7 +113,6 @@ def test_prefix_routing_end_to_end_groups_land_on_one_server_and_status_shows_ca
             where.setdefault(rec["rid"].split("--", 1)[1].split("-", 1)[0], set()).add(url)
     assert sorted(where) == ["g0", "g1", "g2", "g3"]
     assert all(len(urls) == 1 for urls in where.values()), where    # each group on one server
-    sim_cached = sum(sim_get(u, "/sim/stats")["cached_tokens"] for u in sims)
     status_cached = sum(e["cached_tokens"] for e in snap["endpoints"])
     assert status_cached == sim_cached > 0
     # Every request but each group's first found its system prompt cached.
