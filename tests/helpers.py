@@ -237,3 +237,32 @@ def live_run(cfg_path: Path, tmp_path: Path, workers: list[list[str]] | None = N
         log.close()
     return Run(subprocess.CompletedProcess(prod.args, prod.returncode, stdout, stderr), tmp_path / "out",
                texts, seen, rcs)
+
+
+def stock_rq_worker(redis_url: str, queue: str, config: Path, log: Path, *extra: str, timeout_s: float = 180) -> str:
+    """A stock ``rq worker --burst`` (JSON serializer) on ``queue``, BUDGETQ_CONFIG=config; returns what it logged.
+
+    Once it has logged RQ's "done, quitting" it gets 5 s to exit, then is stopped: RQ's burst worker
+    can linger up to a minute after its last job (its pubsub thread waits 60 s in a read that the
+    unsubscribe does not always wake: rq/rq#1613, #2172), which is RQ's and not what these tests are
+    about; everything the jobs did is in Redis by then. An exit of its own must be 0."""
+    cmd = [str(Path(sys.executable).parent / "rq"), "worker", "--burst", "-u", redis_url, "--serializer",
+           "rq.serializers.JSONSerializer", *extra, queue]
+    with open(log, "wb") as out:  # a file, not a pipe: what it printed is there whatever happens
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, BUDGETQ_CONFIG=str(config)), stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is not None or b"done, quitting" in log.read_bytes(), timeout_s,
+                 "the rq worker to finish its jobs")
+        try:
+            assert proc.wait(5) == 0, log.read_text()[-4000:]
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "done, quitting" in text, text[-4000:]
+    return text

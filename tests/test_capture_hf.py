@@ -31,7 +31,7 @@ from budgetq.shared.config import Config  # noqa: E402
 from budgetq.shared.config_features import FeaturesModelConfig  # noqa: E402
 from budgetq.shared.config_load import load_config  # noqa: E402
 from budgetq.shared.errors import ConfigError  # noqa: E402
-from tests.helpers import PY, ROOT, Procs, wait_for  # noqa: E402
+from tests.helpers import PY, ROOT, Procs, stock_rq_worker, wait_for  # noqa: E402
 from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline  # noqa: E402
 from tests.test_features import run_features, write_rows  # noqa: E402
 from tests.tiny_llama import make_tiny_llama  # noqa: E402
@@ -329,7 +329,6 @@ def test_hooked_model_needs_layers_and_a_norm():
 
 def test_a_plain_rq_worker_runs_a_transformers_features_job(tmp_path, redis_url, conn, tiny):
     """The fallback job function goes through the configured backend too (the model loaded for the job)."""
-    import sys
 
     from budgetq.hidden_states.collect.features_pass import FeaturesPass
 
@@ -338,11 +337,7 @@ def test_a_plain_rq_worker_runs_a_transformers_features_job(tmp_path, redis_url,
     fp = FeaturesPass(load_config(cfg_path), conn)
     fp._enqueue(fp.passes[0])
     fp.release()
-    rq = subprocess.run([str(Path(sys.executable).parent / "rq"), "worker", "--burst", "-u", redis_url,
-                         "--serializer", "rq.serializers.JSONSerializer", keys.features_queue_name("A")],
-                        cwd=ROOT, env=dict(os.environ, BUDGETQ_CONFIG=str(cfg_path)), capture_output=True, text=True,
-                        timeout=180)
-    assert rq.returncode == 0, rq.stdout + rq.stderr
+    stock_rq_worker(redis_url, keys.features_queue_name("A"), cfg_path, tmp_path / "rq-worker.log")
     assert conn.xlen(keys.features_results_key("A")) == 2
     res = run_features(cfg_path, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr

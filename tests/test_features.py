@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from budgetq.hidden_states.store.safetensors_io import read_header, read_tensor
 from budgetq.hidden_states.store.shards import FeatureStore, features_dir, index_rows
 from budgetq.shared import keys
 from budgetq.simulator.hidden import NOT_ENABLED, vectors
-from tests.helpers import PY, ROOT, Procs, wait_for
+from tests.helpers import PY, ROOT, Procs, stock_rq_worker, wait_for
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 HIDDEN = 16
@@ -501,11 +500,7 @@ def test_a_plain_rq_worker_runs_a_features_job(tmp_path, redis_url, conn, sim_fa
     fp = FeaturesPass(load_config(cfg), conn)
     fp._enqueue(fp.passes[0])
     fp.release()
-    rq = subprocess.run([str(Path(sys.executable).parent / "rq"), "worker", "--burst", "-u", redis_url,
-                         "--serializer", "rq.serializers.JSONSerializer", keys.features_queue_name("A")],
-                        cwd=ROOT, env=dict(os.environ, BUDGETQ_CONFIG=str(cfg)), capture_output=True, text=True,
-                        timeout=120)
-    assert rq.returncode == 0, rq.stdout + rq.stderr
+    stock_rq_worker(redis_url, keys.features_queue_name("A"), cfg, tmp_path / "rq-worker.log")
     assert conn.xlen(keys.features_results_key("A")) == 3
     res = run_features(cfg)
     assert res.returncode == 0, res.stdout + res.stderr

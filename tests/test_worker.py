@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from budgetq.shared.config import DatasetConfig
 from budgetq.shared.config_load import load_config
 from budgetq.shared.schema import JobPayload, Message, SamplingParams
 from budgetq.worker.runner import ConcurrentWorker
+from tests.helpers import stock_rq_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,14 +73,8 @@ def test_one_worker_process_holds_concurrency_in_flight(tmp_path, redis_url, con
 def test_stock_rq_worker_runs_the_same_job_function(tmp_path, redis_url, conn, sim_factory):
     sim = sim_factory("--speedup", "500", "--length-mean", "20")
     _enqueue(conn, 3)
-    env = dict(os.environ, BUDGETQ_CONFIG=str(_cfg(tmp_path, redis_url, sim)))
-    log = tmp_path / "rq-worker.log"
-    with open(log, "wb") as out:  # a file, not a pipe: what it printed is there even after a timeout
-        proc = subprocess.run([sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", redis_url, "--serializer",
-                               "rq.serializers.JSONSerializer", "--worker-class", "rq.SimpleWorker",
-                               keys.queue_name("D")], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=180)
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    stock_rq_worker(redis_url, keys.queue_name("D"), _cfg(tmp_path, redis_url, sim), tmp_path / "rq-worker.log",
+                    "--worker-class", "rq.SimpleWorker")
     st = dataset_state(conn, "D")
     assert st.stats["committed"] == 3 and conn.xlen(keys.results_key("D")) == 3
     assert st.used == st.stats["sum_tokens"] > 0
