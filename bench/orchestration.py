@@ -107,11 +107,11 @@ def measure(stack: c.Stack, sim: c.Sim, cfg: c.Path, name: str, concurrency: int
         while ended is None and (ended := _reaped(proc.pid)) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         if ended is None:
-            proc.terminate()
+            proc.kill()  # not SIGTERM: RQ takes that for a stop request in the middle of its teardown
             stopped = True
     status, usage = ended if ended is not None else os.wait4(proc.pid, 0)[1:]
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0 and not (stopped and proc.returncode == -signal.SIGTERM):
+    if proc.returncode != 0 and not (stopped and proc.returncode == -signal.SIGKILL):
         raise RuntimeError(f"{name} exited with {proc.returncode}:\n{c.log_text(proc)[-3000:]}")
     after = c.redis_info(conn)
     cpu = {"worker": usage.ru_utime + usage.ru_stime,

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from budgetq.shared.config_features import FeaturesConfig
-from budgetq.shared.config_fields import Budget, Strict, TokenCount, yaml_bools
+from budgetq.shared.config_fields import Budget, Strict, TokenCount, TotalBudget, yaml_bools
 from budgetq.shared.errors import ConfigError
 from budgetq.shared.identity import NAME_PATTERN, IdError, check_name
 from budgetq.shared.sampling import extra_key_errors
@@ -238,7 +238,7 @@ class RunConfig(Strict):
     # ("2026-12-05T08:00:00Z"); None = none. Kept in Redis: a restart keeps the same time.
     deadline: str | None = None
     # Tokens over all datasets, split by weight (water-filling); None = per-dataset budgets only.
-    total_budget: TokenCount | None = None
+    total_budget: TotalBudget | None = None
     # Admissions stop this quantile of the measured response times before the deadline, so the
     # last responses finish by it; what still runs at the deadline is aborted (and sent again by a
     # later run). Higher: less waste, a little idle time at the end.

@@ -30,6 +30,18 @@ def parse_budget(value: int | float | str) -> int:
 Budget = Annotated[int, BeforeValidator(parse_budget)]
 
 
+def parse_total(value: int | float | str) -> int:
+    """A total budget as written: above 0, like a dataset's (0 would end every dataset at once)."""
+    tokens = parse_signed_tokens(value)
+    if tokens <= 0:
+        raise ValueError(f"a total budget must be above 0 (got {shown(value)}); for no total, leave "
+                         "run.total_budget out (budgetq budget total none)")
+    return tokens
+
+
+TotalBudget = Annotated[int, BeforeValidator(parse_total)]
+
+
 def yaml_bools(false: str, true: str) -> BeforeValidator:
     """For a Literal field with a word YAML 1.1 reads as a boolean: ``progress: off`` arrives as
     False (so do no/false; on/yes/true as True). Take the boolean as the word meant, rather than

@@ -257,7 +257,7 @@ def stock_rq_worker(redis_url: str, queue: str, config: Path, log: Path, *extra:
         try:
             assert proc.wait(5) == 0, log.read_text()[-4000:]
         except subprocess.TimeoutExpired:
-            proc.terminate()
+            proc.kill()  # not SIGTERM: RQ takes that for a stop request in the middle of its teardown
             proc.wait(30)
     finally:
         if proc.poll() is None:

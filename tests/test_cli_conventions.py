@@ -152,11 +152,18 @@ def test_budgets_are_above_zero_with_one_clear_message(tmp_path):
         (line,) = [ln for ln in out.stderr.splitlines() if "datasets.0.budget" in ln]
         assert line.endswith(f"datasets.0.budget: a budget must be above 0 (got {shown}); {BUDGET_RULE}"), line
         assert line.count("got ") == 1 and "Value error" not in line, line   # the value said once
-    # other token counts are not budgets: their own message, the value said once
-    cfg.write_text(yaml.safe_dump({"run": {"total_budget": -5}, "features": {"max_bytes": "-1G"}}))
-    err = _cli("check", "-c", str(cfg)).stderr
-    assert "run.total_budget: a token count must be >= 0 (got -5)\n" in err, err
-    assert "features.max_bytes: a token count must be >= 0 (got -1G)\n" in err, err
+    # a total is above 0 too (0 would end every dataset at once); other token counts are not
+    # budgets: their own message; the value said once
+    for total, shown in ((0, "0"), (-5, "-5")):
+        cfg.write_text(yaml.safe_dump({"run": {"total_budget": total}, "features": {"max_bytes": "-1G"}}))
+        err = _cli("check", "-c", str(cfg)).stderr
+        assert (f"run.total_budget: a total budget must be above 0 (got {shown}); for no total, leave "
+                "run.total_budget out (budgetq budget total none)\n") in err, err
+        assert "features.max_bytes: a token count must be >= 0 (got -1G)\n" in err, err
+    for total in ("0", "-5k"):
+        out = _cli("budget", "total", total, "--redis-url", "redis://127.0.0.1:1/0")
+        assert out.returncode == 2 and out.stderr.startswith("budgetq: error: a total budget must be above 0 "
+                                                             f"(got {total}); "), out.stderr
 
 
 def test_init_writes_a_commented_config_that_commands_find_without_c(tmp_path, redis_url):

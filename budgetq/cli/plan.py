@@ -10,8 +10,9 @@ import argparse
 import json
 
 from budgetq.cli.common import load, open_redis, with_config
+from budgetq.shared.config_fields import parse_total
 from budgetq.shared.errors import BudgetqError
-from budgetq.shared.tokens import format_tokens, parse_tokens
+from budgetq.shared.tokens import format_tokens
 
 
 def _positive(text: str) -> float:
@@ -67,9 +68,9 @@ def cmd_total(args: argparse.Namespace) -> int:
     total = None
     if args.tokens.strip().lower() not in ("none", "null", "off"):
         try:
-            total = parse_tokens(args.tokens)
+            total = parse_total(args.tokens)
         except ValueError as exc:
-            raise BudgetqError(f"total budget: {exc}") from None
+            raise BudgetqError(str(exc)) from None
     _cfg, conn = _conn(args)
     old = run_plan.set_total(conn, total)
     print(f"total budget {format_tokens(old) if old is not None else 'none'} -> "
