@@ -39,7 +39,8 @@ MEANS = {"A1": 1577, "B2": 3793}
 SIGMA = 1.0
 MAX_TOKENS = 8192
 POLICIES = ("drain", "soft", "strict")
-SOFT_SLACK = 10_000  # DESIGN.md I4: soft lands within [budget, budget + 10k] on 10M at 256 in flight
+# invariant I4 (docs/architecture.md):
+SOFT_SLACK = 10_000  # soft lands within [budget, budget + 10k] on 10M at 256 in flight
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The one helper module of the integration tests: datasets, configs, budgetq processes, HTTP, and
-the invariants of DESIGN.md s5 (``check_invariants``). Import it as ``tests.helpers``.
+the invariants I1-I3 of docs/architecture.md (``check_invariants``). Import it as ``tests.helpers``.
 
 Fixtures (private Redis, simulators) are in conftest.py; ``LocalSim``/``LocalRedis`` in simulator/local.py.
 """

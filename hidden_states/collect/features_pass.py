@@ -1,6 +1,6 @@
 """``budgetq features``: the hidden-state pass over what generation committed (docs/hidden_states.md).
 
-Runs where the output disk is (the producer's side, DESIGN.md: the producer owns the disk). For
+Runs where the output disk is (the producer's side: the producer owns the output disk). For
 each dataset it:
 - opens the dataset's feature store (hidden_states/store/shards.py), which repairs a crash, and marks
   every sample on disk done in Redis (``bq:{ds}:features:done``);
