@@ -177,6 +177,7 @@ class DatasetState:
     prior_mean: int = 0
     registered_at: float | None = None
     hold: str = ""   # the producer's hold (output disk full); paused is also true while it is set
+    operator_paused: bool = False  # `budgetq pause` alone (paused without the hold), for status
     source_ended: bool = False  # the producer has read every row
 
     @property
@@ -208,6 +209,7 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
         keep=conf.get(Conf.KEEP, "all"), prior_mean=int(float(conf.get(Conf.PRIOR_MEAN, 0))),
         registered_at=float(conf[Conf.REGISTERED_AT]) if conf.get(Conf.REGISTERED_AT) else None,
         hold=conf.get(Conf.HOLD, ""),
+        operator_paused=conf.get(Conf.PAUSED) == "1",
         source_ended=conf.get(Conf.SOURCE_ENDED) == "1",
     )
 

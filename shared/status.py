@@ -26,7 +26,6 @@ from budgetq.shared.config import Config
 from budgetq.shared.ledger import is_settled, read_ledgers
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import dataset_names, describe, stream_entries, text
-from budgetq.shared.stats import Conf
 
 # 2: counts.duplicate -> duplicate_result; a done dataset's tok_s is null; ledger.
 # 3: a held dataset's state is "held" (it was "paused") and its paused is the operator's pause only;
@@ -187,13 +186,12 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
     pipe = conn.pipeline(transaction=False)
     for n in names:
         pipe.hmget(keys.rate_key(n), [str(f) for f in fields])
-        # DatasetState.paused also covers a hold (workers treat both alike); status tells them apart.
-        pipe.hget(keys.conf_key(n), Conf.PAUSED)
     replies = pipe.execute()
     out = []
     for i, st in enumerate(states):
-        rate_vals, paused_raw = replies[2 * i], replies[2 * i + 1]
-        paused = text(paused_raw) == "1" if paused_raw is not None else False
+        rate_vals = replies[i]
+        # DatasetState.paused also covers a hold (workers treat both alike); status tells them apart.
+        paused = st.operator_paused
         ledger = ledgers[st.name]
         state = _state(st, ledger, paused)
         buckets = {t: _num(v) for t, v in zip(fields, rate_vals, strict=True)}

@@ -79,6 +79,11 @@ class Endpoint:
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
 
 
+def _asked_lately(ep: Endpoint) -> bool:
+    """/server_info was asked without an answer less than ``_DETECT_AGAIN_S`` ago."""
+    return bool(ep.asked_at) and time.monotonic() - ep.asked_at < _DETECT_AGAIN_S
+
+
 def routing_key(payload: JobPayload, prefix_chars: int) -> bytes:
     """What decides a request's endpoint under prefix routing: the start of what the server caches.
 
@@ -163,11 +168,11 @@ class EndpointPool:
             ep.sglang = True
         if ep.sglang is not None:
             return ep.sglang
-        if ep.asked_at and time.monotonic() - ep.asked_at < _DETECT_AGAIN_S:
+        if _asked_lately(ep):
             return None
         # The first requests to an endpoint come together: one asks, the others wait for its answer.
         async with self._detecting.setdefault(ep.url, asyncio.Lock()):
-            if ep.sglang is not None or (ep.asked_at and time.monotonic() - ep.asked_at < _DETECT_AGAIN_S):
+            if ep.sglang is not None or _asked_lately(ep):
                 return ep.sglang
             found = await self._ask_server_info(ep)
             ep.asked_at = 0.0 if found is not None else time.monotonic()
