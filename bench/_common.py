@@ -200,12 +200,13 @@ class Stack:
     def flush(self) -> None:
         self.conn().flushall()  # our private server only
 
-    def config(self, sim_url: str, datasets: list[dict], name: str = "cfg.yaml", **extra) -> Path:
+    def config(self, sim_url: str, datasets: list[dict], name: str = "cfg.yaml", server_model: str | None = None,
+               **extra) -> Path:
         out = self.dir / "out"
         if out.exists():
             shutil.rmtree(out)
-        cfg = {"redis_url": self.url, "server": {"urls": [sim_url]}, "output_dir": str(out),
-               "datasets": datasets, **extra}
+        server: dict = {"urls": [sim_url], **({"model": server_model} if server_model else {})}
+        cfg = {"redis_url": self.url, "server": server, "output_dir": str(out), "datasets": datasets, **extra}
         path = self.dir / name
         path.write_text(yaml.safe_dump(cfg))
         return path

@@ -13,6 +13,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -184,3 +185,15 @@ def test_a_deadline_run_ends_by_its_deadline(tmp_path, redis_url, conn, vllm):
           f"after start (deadline 45 s)")
     assert ended - started < 45 + 30, "the run went on long past its deadline"
     _balanced(cfg, "D")
+
+
+def test_the_vllm_bench_runs_and_prints_its_ratio(vllm):
+    """bench/vllm_pipeline_vs_direct.py --smoke against this session's server (no second vLLM)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_pipeline_vs_direct.py"), "--url", vllm.url,
+                           "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import number, parse_md_tables
+
+    last = parse_md_tables(proc.stdout)[-1]
+    assert number(last[0]["ratio pipeline / direct"]) > 0, last
