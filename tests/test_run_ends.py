@@ -6,18 +6,21 @@ latency sample of the end-of-run block (producer/run/run_report.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from budgetq.producer.ops import metrics
 from budgetq.producer.reading import row_count
-from budgetq.shared import keys
+from budgetq.shared import keys, run_plan
 from budgetq.shared.budget import DatasetState, register_dataset
 from budgetq.shared.config import DatasetConfig
 from budgetq.shared.ends import Stop, eta, is_complete, stop_reason, tokens_to_end
 from budgetq.shared.ledger import read_ledger
-from tests.helpers import write_dataset
+from budgetq.shared.status import format_eta, snapshot
+from tests.helpers import CLI, ROOT, write_dataset
 
 
 def _state(**kw) -> DatasetState:
@@ -68,6 +71,7 @@ def test_the_eta_is_the_first_of_the_budget_the_prompts_and_the_deadline():
     e = eta(0, 1000.0, 30, 1500.0)  # budget reached: the last requests drain
     assert (e.seconds, e.by) == (0.0, "budget")
     assert tokens_to_end(5000, 2, 1000.0) == (2000.0, "prompts") and tokens_to_end(5000, None, 1.0)[1] == "budget"
+    assert format_eta(45.0, "prompts") == "45s (out of prompts)" and format_eta(None, None) == "-"
 
 
 def _running(conn, name: str, queued: int, source_rows: int, budget: str = "10M") -> None:
@@ -86,6 +90,45 @@ def _running(conn, name: str, queued: int, source_rows: int, budget: str = "10M"
     conn.sadd(keys.WORKERS, "w1")  # a live worker: no stall
     conn.hset(keys.worker_key("w1"), mapping={"concurrency": 8, "endpoints": "{}"})
     conn.expire(keys.worker_key("w1"), 30)
+
+
+def test_status_eta_comes_to_the_prompts_when_they_run_out_before_the_budget(conn, redis_url):
+    _running(conn, "A", queued=3, source_rows=13)
+    (a,) = snapshot(conn, redis_url)["datasets"]
+    led = a["ledger"]
+    assert (led["source_rows"], led["unread"], led["unread_estimated"]) == (13, 10, False)
+    assert a["prompts_left"] == 13 and a["stop"] == "running"
+    # 13 prompts at the prior mean of 100 tokens: 1,300 tokens, not the 10M budget's
+    assert a["eta_by"] == "prompts" and a["eta_s"] == pytest.approx(1300 / a["tok_s"], rel=0.02), a
+    out = subprocess.run([*CLI, "status", "--redis-url", redis_url], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    row = next(line for line in out.stdout.splitlines() if line.startswith("│ A "))
+    assert "(out of prompts)" in row and " 10 " in row and "running" in row, out.stdout
+    assert "running: prompts claimed by a worker" in out.stdout and "in flight: requests admitted" in out.stdout
+
+    # a deadline a minute away comes first; once admissions stopped for it, it is the stop reason
+    now = float(conn.time()[0])
+    run_plan.set_deadline(conn, now + 60)
+    (a,) = snapshot(conn, redis_url)["datasets"]
+    assert a["eta_by"] == "deadline" and 55 <= a["eta_s"] <= 61 and a["stop"] == "running"
+    run_plan.set_deadline(conn, now - 1)
+    (a,) = snapshot(conn, redis_url)["datasets"]
+    assert a["stop"] == "deadline" and a["eta_s"] == 0.0, a
+
+
+def test_metrics_and_the_monitor_page_carry_the_stop_reason_and_the_unread_rows(conn, redis_url):
+    _running(conn, "A", queued=3, source_rows=13)
+    _running(conn, "B", queued=0, source_rows=40, budget="1k")
+    conn.set(keys.used_key("B"), 1000)  # its budget reached: the rest of its file is never read
+    conn.hset(keys.stats_key("B"), mapping={"enqueued": 12, "committed": 12, "invalid": 1})
+    text = metrics.render(snapshot(conn, redis_url)).decode()
+    assert 'budgetq_ledger_unread_prompts{dataset="A"} 10.0' in text
+    assert 'budgetq_ledger_unread_prompts{dataset="B"} 27.0' in text   # 40 - 12 entered - 1 invalid
+    assert 'budgetq_stop{dataset="A",reason="running"} 1.0' in text
+    assert 'budgetq_stop{dataset="B",reason="budget reached"} 1.0' in text
+    assert 'budgetq_stop{dataset="B",reason="out of prompts"} 0.0' in text
+    page = (ROOT / "producer" / "ops" / "static" / "monitor.html").read_text()
+    assert "d.stop" in page and "led.unread" in page and "d.eta_by" in page and 'id="running-note"' in page
 
 
 def test_unread_is_zero_once_every_row_is_read_and_bounded_by_the_limit(conn):
@@ -120,5 +163,3 @@ def test_rows_are_counted_as_the_reader_yields_them(tmp_path, monkeypatch):
     est = row_count.count_rows(DatasetConfig(name="big", path=str(tmp_path / "big.jsonl"), budget="1k"))
     assert est is not None and not est.exact and 1800 <= est.rows <= 2200, est
     assert row_count.count_rows(DatasetConfig(name="x", path=str(tmp_path / "missing.jsonl"), budget="1k")) is None
-
-
