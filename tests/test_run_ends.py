@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 from rq import Queue
@@ -14,6 +15,7 @@ from rq.serializers import JSONSerializer
 
 from budgetq.producer.ops import metrics
 from budgetq.producer.reading import row_count
+from budgetq.producer.run.run_report import Reservoir
 from budgetq.shared import keys, run_plan
 from budgetq.shared.budget import DatasetState, register_dataset
 from budgetq.shared.config import DatasetConfig
@@ -163,3 +165,19 @@ def test_rows_are_counted_as_the_reader_yields_them(tmp_path, monkeypatch):
     est = row_count.count_rows(DatasetConfig(name="big", path=str(tmp_path / "big.jsonl"), budget="1k"))
     assert est is not None and not est.exact and 1800 <= est.rows <= 2200, est
     assert row_count.count_rows(DatasetConfig(name="x", path=str(tmp_path / "missing.jsonl"), budget="1k")) is None
+
+
+def test_the_latency_sample_is_uniform_bounded_and_gives_nearest_rank_quantiles():
+    r = Reservoir()
+    for x in range(1, 101):
+        r.add(float(x))
+    r.add(float("nan"))
+    assert r.quantiles() == {"p50": 50.0, "p95": 95.0, "p99": 99.0, "rows": 100}
+    small = Reservoir(keep=1000, seed=3)
+    started = time.monotonic()
+    for x in range(100_000):
+        small.add(x / 1000)
+    assert len(small.values) == 1000 and small.seen == 100_000 and time.monotonic() - started < 30
+    q = small.quantiles()
+    assert q is not None and 45 <= q["p50"] <= 55 and 93 <= q["p95"] <= 97   # a uniform sample of 0..100 s
+    assert Reservoir().quantiles() is None

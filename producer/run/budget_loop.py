@@ -38,7 +38,7 @@ from budgetq.shared.scripts import run as run_script
 from budgetq.shared.stats import Conf
 
 if TYPE_CHECKING:
-    from budgetq.producer.run.producer import Feed
+    from budgetq.producer.run.feed import Feed
 
 log = logging.getLogger("budgetq.producer")
 # A top-level "latency_s" of a row (inside strings JSON escapes the quote).
