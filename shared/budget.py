@@ -155,7 +155,7 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = 
         conf[Conf.CFG_LIMIT] = ds.budget
     pipe.hset(keys.conf_key(ds.name), mapping=conf)
     pipe.hsetnx(keys.conf_key(ds.name), Conf.PAUSED, "0")
-    pipe.hdel(keys.conf_key(ds.name), Conf.SOURCE_ENDED)  # this producer reads the rows again
+    pipe.hdel(keys.conf_key(ds.name), Conf.SOURCE_ENDED, Conf.INTERRUPTED)  # this producer reads the rows again
     pipe.execute()
     return kept
 
@@ -179,6 +179,7 @@ class DatasetState:
     hold: str = ""   # the producer's hold (output disk full); paused is also true while it is set
     operator_paused: bool = False  # `budgetq pause` alone (paused without the hold), for status
     source_ended: bool = False  # the producer has read every row
+    interrupted: bool = False   # the producer was stopped on request before the dataset ended
 
     @property
     def exhausted(self) -> bool:
@@ -211,6 +212,7 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
         hold=conf.get(Conf.HOLD, ""),
         operator_paused=conf.get(Conf.PAUSED) == "1",
         source_ended=conf.get(Conf.SOURCE_ENDED) == "1",
+        interrupted=conf.get(Conf.INTERRUPTED) == "1",
     )
 
 

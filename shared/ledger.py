@@ -20,8 +20,16 @@ that could drift:
     failed or skipped job whose hash expired after KEEP_S, Redis data lost).
 
 Alongside, never enqueued: ``invalid`` (bad rows) and ``filtered`` (left out by the
-dataset's filter), as the producer recorded them; and ``aborted``, how many requests were
-aborted in flight (each went back to the queue, so it is in ``queued`` or later states).
+dataset's filter), as the producer recorded them; ``unread``, the rows of the file the producer
+has not read (yet, or at all: reading stops once the budget is reached), so that every row of
+the file has a place:
+
+    source_rows == entered + invalid + filtered + unread
+
+(``unread`` = source_rows - the rest, 0 once every row is read, None while the file's size is
+unknown; ``unread_estimated`` while source_rows is a large file's estimate or the dataset has a
+``limit``); and ``aborted``, how many requests were aborted in flight (each went back to the
+queue, so it is in ``queued`` or later states).
 
 Read-only, with ``@read`` commands only (status works with a read-only ACL user): one
 pipeline for the queue, registries and counters, a second for which claimed jobs are already
@@ -38,13 +46,15 @@ import redis
 from budgetq.shared import keys
 from budgetq.shared.jobs import Ending
 from budgetq.shared.redis_conn import text
-from budgetq.shared.stats import Stat
+from budgetq.shared.stats import Conf, Stat
 
 STATES = ("queued", "running", "rows", "truncated", "skipped", "failed")
 # Counters of the stats hash the ledger reads: in the first pipeline, then with the done check.
 _ENTRY = (Stat.ENQUEUED, Stat.ADOPTED, Stat.ABORTED, Stat.INVALID, Stat.FILTERED)
 _DONE = (Stat.COMMITTED, Stat.TRUNCATED)
-_FIRST = 6  # replies per dataset in the first pipeline
+# Fields of the conf hash that say how many rows the file has and whether they are all read.
+_SOURCE = (Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED, Conf.SOURCE_LIMIT, Conf.SOURCE_ENDED)
+_FIRST = 7  # replies per dataset in the first pipeline
 
 
 def _int(v: Any) -> int:
@@ -56,7 +66,7 @@ def _int(v: Any) -> int:
 
 def read_ledgers(conn: redis.Redis, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """The ledger of each named dataset (keys: ``STATES``, entered, enqueued, adopted, accounted,
-    unaccounted, balanced, aborted, invalid, filtered)."""
+    unaccounted, balanced, aborted, invalid, filtered, source_rows, unread, unread_estimated)."""
     names = list(names)
     pipe = conn.pipeline(transaction=False)
     for ds in names:
@@ -66,6 +76,7 @@ def read_ledgers(conn: redis.Redis, names: Iterable[str]) -> dict[str, dict[str,
         pipe.zcard(keys.rq_registry_key(ds, Ending.CANCELED))
         pipe.zcard(keys.rq_registry_key(ds, Ending.FAILED))
         pipe.hmget(keys.stats_key(ds), list(_ENTRY))
+        pipe.hmget(keys.conf_key(ds), list(_SOURCE))
     first = pipe.execute()
     pipe = conn.pipeline(transaction=False)
     claimed: list[list[str]] = []
@@ -78,7 +89,7 @@ def read_ledgers(conn: redis.Redis, names: Iterable[str]) -> dict[str, dict[str,
     second = iter(pipe.execute())
     out = {}
     for i, ds in enumerate(names):
-        queued, parked, _wip, skipped, failed, entry = first[i * _FIRST: (i + 1) * _FIRST]
+        queued, parked, _wip, skipped, failed, entry, source = first[i * _FIRST: (i + 1) * _FIRST]
         done_claimed = sum(1 for hit in next(second) if hit) if claimed[i] else 0
         committed, truncated = (_int(v) for v in next(second))
         enqueued, adopted, aborted, invalid, filtered = (_int(v) for v in entry)
@@ -91,8 +102,22 @@ def read_ledgers(conn: redis.Redis, names: Iterable[str]) -> dict[str, dict[str,
         out[ds] = {**states, "entered": entered, "enqueued": enqueued, "adopted": adopted,
                    "accounted": accounted, "unaccounted": entered - accounted if tracked else None,
                    "balanced": entered == accounted if tracked else None,
-                   "aborted": aborted, "invalid": invalid, "filtered": filtered}
+                   "aborted": aborted, "invalid": invalid, "filtered": filtered,
+                   **_unread(source, entered, invalid, filtered)}
     return out
+
+
+def _unread(source: list[Any], entered: int, invalid: int, filtered: int) -> dict[str, Any]:
+    """The rows of the file not read: what its row count leaves after the rows that have a state."""
+    rows, estimated, limit, ended = (text(v) if v is not None else None for v in source)
+    if rows is None or rows == "":
+        return {"source_rows": None, "unread": 0 if ended == "1" else None, "unread_estimated": False}
+    total = _int(rows)
+    unread = 0 if ended == "1" else max(0, total - entered - invalid - filtered)
+    if limit and ended != "1":  # at most `limit` valid prompts are ever sent
+        unread = min(unread, max(0, _int(limit) - entered))
+    return {"source_rows": total, "unread": unread,
+            "unread_estimated": ended != "1" and (estimated == "1" or bool(limit))}
 
 
 def read_ledger(conn: redis.Redis, ds: str) -> dict[str, Any]:

@@ -144,6 +144,13 @@ def mark_drain(conn: redis.Redis, deadline: float | None) -> None:
     conn.hset(keys.PLAN, "drain_for", "" if deadline is None else f"{deadline:.3f}")
 
 
+def deadline_stopped(conn: redis.Redis, now: float) -> bool:
+    """The run has a deadline and admissions stopped for it: the drain began (the budget loop
+    marked it) or the deadline has passed (shared/ends.py's ``deadline`` stop reason)."""
+    deadline, drain_for = (_opt_float(v) for v in conn.hmget(keys.PLAN, ["deadline", "drain_for"]))
+    return deadline is not None and (now >= deadline or drain_for == deadline)
+
+
 # -- what the control loop measured and projects --------------------------------------------------
 def write_state(conn: redis.Redis, state: dict[str, Any]) -> None:
     conn.set(keys.PLAN_STATE, json.dumps(state, separators=(",", ":")))

@@ -32,6 +32,12 @@ class Conf(enum.StrEnum):
     ID_SCHEME = "id_scheme"          # job-id scheme of the dataset (shared/identity.py)
     ID_FIELD = "id_field"            # where its prompt ids come from, JSON (producer/run/id_rule.py)
     SOURCE_ENDED = "source_ended"    # "1" once the producer has read every row (cleared on registration)
+    SOURCE_ROWS = "source_rows"      # rows of the dataset's file, counted by the producer at start
+                                     # (producer/reading/row_count.py), exact once every row is read
+    SOURCE_ESTIMATED = "source_estimated"  # "1" while source_rows is an estimate (a large file's sample)
+    SOURCE_LIMIT = "source_limit"    # the dataset's limit: at most this many valid prompts ("" = none)
+    INTERRUPTED = "interrupted"      # "1": the producer was stopped on request before the dataset ended
+                                     # (shared/ends.py; cleared on registration)
 
 
 class Stat(enum.StrEnum):

@@ -23,6 +23,7 @@ import redis
 from budgetq.shared import keys, run_plan, server_faults
 from budgetq.shared.budget import DatasetState, dataset_state
 from budgetq.shared.config import Config
+from budgetq.shared.ends import dataset_eta, prompts_left, stop_reason
 from budgetq.shared.ledger import is_settled, read_ledgers
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import dataset_names, describe, stream_entries, text
@@ -30,7 +31,9 @@ from budgetq.shared.redis_conn import dataset_names, describe, stream_entries, t
 # 2: counts.duplicate -> duplicate_result; a done dataset's tok_s is null; ledger.
 # 3: a held dataset's state is "held" (it was "paused") and its paused is the operator's pause only;
 #    failed_registry removed (it was ledger.failed); eta_s is null while paused, held or stalled.
-SCHEMA_VERSION = 3
+# 4: eta_s is the time to the first of the dataset's ends (budget, prompts, deadline: shared/ends.py),
+#    where it was to the budget alone; stop, eta_by, prompts_left and ledger.unread added.
+SCHEMA_VERSION = 4
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
 HISTORY_S = 600              # the tokens-over-time series covers this many seconds
 CONTROL_ENTRIES = 10         # operator actions shown
@@ -72,6 +75,16 @@ def format_duration(s: float | None) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+_ENDS_SAID = {"budget": "budget", "prompts": "out of prompts", "deadline": "deadline"}
+
+
+def format_eta(s: float | None, by: str | None) -> str:
+    """An ETA with the end it comes to: ``52s (out of prompts)``, ``3m05s (budget)``; ``-`` for none."""
+    if s is None:
+        return "-"
+    return f"{format_duration(s)} ({_ENDS_SAID.get(by or '', by)})" if by else format_duration(s)
 
 
 def server_now(conn: redis.Redis) -> float:
@@ -175,10 +188,13 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
     """Budget, progress, counters, tok/s, ETA and recent history of each named dataset.
 
     ``fleet``: the workers and server faults, if the caller has read them already (else read here):
-    while the fleet is stalled no ETA is given, since nothing moves toward it."""
+    while the fleet is stalled no ETA is given, since nothing moves toward it. The stop reason and
+    the ETA are shared/ends.py's (the ETA: the first of the budget, the prompts and the deadline)."""
     names = list(names)
     states = [dataset_state(conn, n) for n in names]
     ledgers = read_ledgers(conn, names)
+    deadline = run_plan.read_settings(conn).deadline
+    deadline_stopped = run_plan.deadline_stopped(conn, now)
     stalled = fleet_stall(fleet if fleet is not None else read_fleet(conn), ledgers.values()) is not None
     n_hist = max(history_s, TOK_S_WINDOW_S + keys.RATE_BUCKET_S) // keys.RATE_BUCKET_S
     last = _bucket(now)
@@ -199,17 +215,14 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
         # stopped dataset shows what its requests still in flight bring, then nothing.
         tok_s: float | None = _rate(st, buckets, now)
         remaining = max(0, st.limit - st.used)
-        eta: float | None
+        eta: float | None = None
+        eta_by: str | None = None
         if state == "done":
-            tok_s = eta = None  # nothing more will come: no rate, no ETA (the last minute's rate would lie)
-        elif state in ("paused", "held") or stalled:
-            eta = None  # nothing is admitted (or nothing can run): the last minute's rate predicts nothing
-        elif st.used >= st.limit:
-            eta = 0.0
-        elif tok_s:
-            eta = remaining / tok_s
-        else:
-            eta = None
+            tok_s = None  # nothing more will come: no rate, no ETA (the last minute's rate would lie)
+        elif state not in ("paused", "held") and not stalled:
+            # (paused, held or stalled: nothing is admitted or can run; the last minute's rate predicts nothing)
+            end = dataset_eta(st, ledger, tok_s, None if deadline is None else deadline - now)
+            eta, eta_by = end.seconds, end.by
         committed = st.stats.get("committed", 0)
         history = [[t, buckets[t]] for t in fields if t > last - history_s]
         out.append({
@@ -235,6 +248,9 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
             "tokens": {name: st.stats.get(f, 0) for f, name in TOKEN_FIELDS.items()},
             "tok_s": None if tok_s is None else round(tok_s, 2),
             "eta_s": None if eta is None else round(eta, 1),
+            "eta_by": eta_by,
+            "stop": str(stop_reason(st, ledger, deadline_stopped)),
+            "prompts_left": prompts_left(ledger),
             "registered_at": st.registered_at,
             "history": history,
             "ledger": ledger,

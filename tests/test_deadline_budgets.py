@@ -207,7 +207,7 @@ def test_a_live_deadline_change_and_a_producer_restart_keep_the_run_on_its_deadl
         time.sleep(0.3 * span)
         first = procs.procs[-1]
         first.send_signal(signal.SIGTERM)
-        assert first.wait(60) == 0, Procs.log(first)
+        assert first.wait(60) == 3, Procs.log(first)  # stopped before the end (docs/cli.md)
         marks["restarted"] = time.time()
         procs.producer()  # _run waits for this one
 

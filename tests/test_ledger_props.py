@@ -6,7 +6,8 @@ with the real producer (enqueue, reopen, collect) and workers, against the real 
 RQ layout on a private Redis. After every step an oracle classifies each enqueued prompt by
 looking in every place RQ and budgetq keep jobs (queue, started registry, done set, canceled and
 failed registries): each must be in exactly one, and shared/ledger.py must give the same counts
-and ``balanced``. At the end the run is resumed and raised: nothing is missing, every prompt
+and ``balanced``; the prompts in none (never enqueued: the budget came first) are its ``unread``,
+so every row of the file has a place. At the end the run is resumed and raised: nothing is missing, every prompt
 has exactly one row on disk.
 
 The workers here are a step-by-step model of worker/jobflow.py's decisions (one step per
@@ -147,12 +148,13 @@ def oracle(conn: redis.Redis, ids: list[str]) -> dict[str, int]:
     places = {"queued": set(queued), "running": set(wip) - done, "rows": done,
               "skipped": {j.decode() for j in conn.zrange(keys.rq_registry_key(DS, Ending.CANCELED), 0, -1)},
               "failed": {j.decode() for j in conn.zrange(keys.rq_registry_key(DS, Ending.FAILED), 0, -1)}}
-    counts = {s: 0 for s in STATES}
+    counts = {s: 0 for s in (*STATES, "unread")}
     for pid in ids:
         jid = job_id(DS, pid)
         where = [s for s, members in places.items() if jid in members]
         if not where and conn.hget(keys.rq_job_key(jid), "status") is None:
-            continue  # never enqueued (yet)
+            counts["unread"] += 1  # never enqueued (yet): not read, or read and not enqueued yet
+            continue
         assert len(where) == 1, f"{pid} is in {where or 'no state'}"
         counts[where[0]] += 1
     return counts
@@ -177,8 +179,10 @@ class Run:
     def check(self) -> None:
         counts = oracle(self.conn, self.ids)
         led = read_ledger(self.conn, DS)
-        assert {s: led[s] for s in STATES} == counts, (led, counts)
+        assert {s: led[s] for s in (*STATES, "unread")} == counts, (led, counts)
         assert led["balanced"] and led["unaccounted"] == 0, led
+        # every row of the file has a place: the ledger's states, or never read (the budget came first)
+        assert led["source_rows"] == N and led["entered"] + led["invalid"] + led["filtered"] + led["unread"] == N
 
     def do(self, action: str, w: int, n: int, flag: bool) -> None:
         worker = self.workers[w]

@@ -174,6 +174,7 @@ class _Rows(HTMLParser):
         self.alerts: list[str] = []        # the lines of <div id="alerts">
         self.states: dict[str, str] = {}   # dataset -> its state cell's text
         self.faults: dict[str, str] = {}   # endpoint -> its faults cell's text
+        self.cells: dict[tuple[str, str], str] = {}  # (dataset, "stop" | "unread") -> the cell's text
         self._in: tuple[str, str] | None = None
         self._row: tuple[str, str] | None = None
         self._depth = 0                    # open <div>s inside #alerts
@@ -197,6 +198,10 @@ class _Rows(HTMLParser):
             elif self._row[0] == "ep" and "faults" in classes:
                 self.faults[self._row[1]] = ""
                 self._in = ("faults", self._row[1])
+            elif self._row[0] == "ds" and ("stop" in classes or "unread" in classes):
+                column = "stop" if "stop" in classes else "unread"
+                self.cells[(self._row[1], column)] = ""
+                self._in = (column, self._row[1])
         if tag == "tr" and "data-dataset" in a:
             self.datasets[a["data-dataset"]] = a
         if tag == "polyline" and a.get("data-dataset"):
@@ -205,7 +210,7 @@ class _Rows(HTMLParser):
             self.rendered = True
 
     def handle_endtag(self, tag):
-        if tag == "td" and self._in and self._in[0] in ("state", "faults"):
+        if tag == "td" and self._in and self._in[0] in ("state", "faults", "stop", "unread"):
             self._in = None
         if tag == "div" and self._in and self._in[0] == "alerts":
             if self._depth == 0:   # the end of #alerts itself
@@ -222,6 +227,8 @@ class _Rows(HTMLParser):
             self.states[key] += data
         elif kind == "faults":
             self.faults[key] += data
+        elif kind in ("stop", "unread"):
+            self.cells[(key, kind)] += data
 
 
 def _chromium() -> str:
@@ -290,3 +297,7 @@ def test_page_renders_a_live_run_in_headless_chromium(tmp_path, redis_url, conn,
         assert int(row["data-committed"]) == len(rows(live.out / f"{name}.jsonl"))
     assert int(dom.datasets["A1"]["data-budget"]) == 6000
     assert dom.lines == {"A1", "B2", "C1"}  # one chart line per dataset
+    # why each stopped (shared/ends.py): A1 and B2 at their budgets, C1's 25 prompts ran out first
+    assert {n: dom.cells[(n, "stop")] for n in ("A1", "B2", "C1")} == {
+        "A1": "budget reached", "B2": "budget reached", "C1": "out of prompts"}
+    assert dom.cells[("C1", "unread")] == "0" and int(dom.cells[("A1", "unread")]) > 0

@@ -22,7 +22,8 @@ READS = {"HGET", "HMGET"}
 # enqueued rows (producer/run/producer.py), AbandonedJobError recoveries (maintenance).
 PYTHON_STATS = {Stat.RETRIED, Stat.INVALID, Stat.RECOVERED, Stat.ENQUEUED, Stat.FILTERED}
 # Conf fields no script reads: bookkeeping for status and the producer.
-PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD, Conf.SOURCE_ENDED, Conf.CFG_LIMIT}
+PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD, Conf.SOURCE_ENDED, Conf.CFG_LIMIT,
+               Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED, Conf.SOURCE_LIMIT, Conf.INTERRUPTED}
 
 
 @dataclass

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import re
@@ -51,14 +53,32 @@ log = logging.getLogger("budgetq.producer")
 PRODUCER_STOP_S = 15.0
 # Exit status after stdout was closed under us (`budgetq status --json | head`): the shell's for SIGPIPE.
 BROKEN_PIPE_STATUS = 141
+# `budgetq produce` stopped before the end of its run (interrupted): `budgetq produce` again continues
+# it. Not 1 (an uncaught error's, and produce's own for rows left without hidden states) nor 2 (bad
+# flags, config, Redis: nothing to continue). The exit codes are a table in docs/cli.md.
+STOPPED_STATUS = 3
 
 
-def print_summary(rows: list[dict]) -> None:
-    from budgetq.cli.status_view import summary_table
+def print_summary(rows: list[dict], report: dict | None = None) -> None:
+    from budgetq.cli.status_view import end_of_run_table, summary_table
 
     # On a terminal at least 120 columns (the table scrolls rather than cutting names); off one
     # (CI logs, `| tee`) as wide as the table is.
-    stdout_console(min_width=120).print(summary_table(rows))
+    console = stdout_console(min_width=120)
+    console.print(summary_table(rows))
+    if report is not None:
+        console.print(end_of_run_table(report))
+        console.print(run_line(report))
+
+
+def run_line(report: dict) -> str:
+    """The summary's last line: whether the run is complete, with the exit status it ends with."""
+    if report["complete"]:
+        return (f"run complete: every dataset reached its end "
+                f"({', '.join(sorted({r['stop'] for r in report['datasets']}))})")
+    left = ", ".join(f"{r['dataset']} {r['stop']}" for r in report["datasets"] if not r["complete"]) \
+        or "the hidden-states pass interrupted"
+    return (f"run stopped before the end (exit {STOPPED_STATUS}): {left}; `budgetq produce` again continues it")
 
 
 def _empty_files(cfg: Config) -> set[str]:
@@ -77,7 +97,7 @@ def _empty_files(cfg: Config) -> set[str]:
 
 def _warn_no_rows(cfg: Config, rows: list[dict], warned: set[str]) -> None:
     for r in rows:
-        if r["dataset"] in warned or r["stop"] != "rows exhausted":
+        if r["dataset"] in warned or r["stop"] != "out of prompts":
             continue
         if not (r["enqueued"] or r["rows"] or r["invalid"] or r["filtered"] or r["already_done"] or r["skipped"]
                 or r["failed"]):
@@ -117,10 +137,10 @@ def cmd_produce(args: argparse.Namespace) -> int:
     warned = _empty_files(cfg)
     if open_redis(cfg, "producer", cfg.redis_wait_s, stop=lambda: state["stop"]) is None:
         log.warning("stopped before the run started")
-        return 0
+        return STOPPED_STATUS
     producer = _start_producer(cfg, Producer, lambda: state["stop"])
     if producer is None:
-        return 0
+        return STOPPED_STATUS
     state["producer"] = producer
     producer.stop_requested = state["stop"]
     monitor = None
@@ -130,17 +150,32 @@ def cmd_produce(args: argparse.Namespace) -> int:
         monitor = MonitorThread(cfg)
         port = monitor.start()
         log.info("monitor on http://%s:%d", cfg.monitor.host, port)
-    progress = ProgressReporter(cfg, producer.conn)
+    # --json: stdout holds the one JSON object; bars (producer.progress: bars) go to stderr.
+    progress = ProgressReporter(cfg, producer.conn, stream=sys.stderr if args.json else None)
     try:
-        rows = producer.run(on_tick=lambda _p: progress.update())
+        report = producer.run(on_tick=lambda _p: progress.update())
     finally:
         progress.close()
         if monitor is not None:
             monitor.stop()
     signal.setitimer(signal.ITIMER_REAL, 0)
-    print_summary(rows)
+    rows = report["datasets"]
+    # Complete: every dataset at an end (shared/ends.py); with capture: features, a stop also
+    # leaves the hidden-states pass unfinished (the next `produce` continues it as well).
+    if report["complete"] and state["stop"] and producer.capture.active:
+        report["complete"] = False
+    status = 0 if report["complete"] else STOPPED_STATUS
+    if args.json:
+        print(json.dumps({**report, "exit_status": status}, indent=2))
+    else:
+        print_summary(rows, report)
     _warn_no_rows(cfg, rows, warned)
-    return cli_features.print_capture(producer.capture, finished=not state["stop"])
+    if args.json:  # its lines are not the JSON object: to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            capture = cli_features.print_capture(producer.capture, finished=report["complete"])
+    else:
+        capture = cli_features.print_capture(producer.capture, finished=report["complete"])
+    return status or capture
 
 
 def _start_producer(cfg: Config, factory, stopped):
@@ -203,6 +238,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("produce", help="enqueue prompts and collect results"))
     sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP)
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
+    sp.add_argument("--json", action="store_true",
+                    help="print the summary as one JSON object (docs/cli.md \"Exit codes and the summary\")")
     cli_plan.run_flags(sp, "over the config's; a restart with the same 12h keeps the time it was first fixed to")
     sp.set_defaults(func=cmd_produce)
     sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))

@@ -9,10 +9,13 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from budgetq.shared.status import format_duration
+from budgetq.shared.status import format_duration, format_eta
 from budgetq.shared.tokens import format_tokens
 
 BAR_WIDTH = 12
+# What tells `running` from `in flight`, under every table that shows both (docs/operations.md).
+RUNNING_VS_IN_FLIGHT = ("running: prompts claimed by a worker (waiting for a server slot, at a server, or being "
+                        "committed); in flight: requests admitted by the budget and sent to a server")
 _STATE_STYLE = {"held": "bold red", "paused": "yellow", "done": "green", "draining": "magenta", "running": "cyan",
                 "idle": "dim"}
 
@@ -32,11 +35,13 @@ def _clock(ts: float | None) -> str:
 
 
 def datasets_table(snap: dict[str, Any]) -> Table:
-    t = Table(title="datasets", title_justify="left", expand=False)
+    t = Table(title="datasets", title_justify="left", expand=False, caption=RUNNING_VS_IN_FLIGHT,
+              caption_justify="left")
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
         ("dataset", "left"), ("state", "left"), ("used / budget", "left"), ("used", "right"), ("budget", "right"),
         ("in flight", "right"), ("queued", "right"), ("running", "right"), ("rows", "right"), ("skipped", "right"),
-        ("failed", "right"), ("invalid", "right"), ("ledger", "left"), ("tok/s", "right"), ("ETA", "right"))
+        ("failed", "right"), ("unread", "right"), ("invalid", "right"), ("ledger", "left"), ("tok/s", "right"),
+        ("ETA", "right"), ("stop", "left"))
     for col, just in columns:
         t.add_column(col, justify=just, no_wrap=True)
     for d in snap["datasets"]:
@@ -44,10 +49,11 @@ def datasets_table(snap: dict[str, Any]) -> Table:
         t.add_row(d["dataset"], Text(d["state"], style=_STATE_STYLE.get(d["state"], "")), text_bar(d["used_pct"]),
                   f"{d['used']:,}", format_tokens(d["budget"]), f"{d['in_flight']:,}", f"{led['queued']:,}",
                   f"{led['running']:,}", f"{led['rows'] + led['truncated']:,}",
-                  f"{led['skipped']:,}", f"{led['failed']:,}", f"{led['invalid']:,}", ledger_cell(led),
-                  "-" if d["tok_s"] is None else f"{d['tok_s']:,.0f}", format_duration(d["eta_s"]))
+                  f"{led['skipped']:,}", f"{led['failed']:,}", unread_cell(led), f"{led['invalid']:,}",
+                  ledger_cell(led), "-" if d["tok_s"] is None else f"{d['tok_s']:,.0f}",
+                  format_eta(d["eta_s"], d.get("eta_by")), d.get("stop", "-"))
     if not snap["datasets"]:
-        t.add_row("(no dataset registered)", *[""] * 14)
+        t.add_row("(no dataset registered)", *[""] * (len(columns) - 1))
     return t
 
 
@@ -63,6 +69,14 @@ def hold_lines(snap: dict[str, Any]) -> list[Text]:
             for reason, names in by_reason.items()]
 
 
+def unread_cell(led: dict[str, Any]) -> str:
+    """Rows of the file not read: ``~`` before an estimate, ``?`` while the file's size is unknown."""
+    n = led.get("unread")
+    if n is None:
+        return "?"
+    return f"~{n:,}" if led.get("unread_estimated") else f"{n:,}"
+
+
 def ledger_cell(led: dict[str, Any]) -> Text:
     """``ok 1,234`` when every prompt that entered is in one state; what is missing (or counted
     twice) otherwise."""
@@ -76,26 +90,52 @@ def ledger_cell(led: dict[str, Any]) -> Text:
 
 
 def summary_table(rows: list[dict[str, Any]]) -> Table:
-    """The final summary of ``budgetq produce``: each dataset's ledger (the states every prompt is
-    in, as ``status`` shows them) and what this run did. Optional columns appear when not zero."""
-    table = Table(title="budgetq summary")
-    optional = [c for c in ("truncated", "running") if any(r[c] for r in rows)]
+    """The final summary of ``budgetq produce``: where every row of each dataset's file is (the
+    ledger's states as ``status`` shows them, then the rows never enqueued: invalid, filtered,
+    unread), what happened on the way, and why it stopped. Optional columns appear when not zero."""
+    optional = [c for c in ("truncated", "running") if any(r.get(c) for r in rows)]
+    table = Table(title="budgetq summary", caption=RUNNING_VS_IN_FLIGHT if "running" in optional else None,
+                  caption_justify="left")
     unbalanced = any(r["unaccounted"] for r in rows)  # 0 or None (state older than the ledger): hidden
-    # Where every prompt is (the ledger's states), then rows never enqueued, then what happened
-    # on the way (aborted requests went back to the queue: an event count, not a state).
+    # Where every row of the file is: the ledger's states, then rows never enqueued (invalid, with
+    # the duplicate ids among them, filtered, unread); they add up to "file rows". Then what
+    # happened on the way (aborted requests went back to the queue: an event count, not a state).
     cols = ["dataset", "budget", "used", "used/budget", "rows", *optional, "skipped", "failed", "queued",
-            "invalid", "duplicate ids", "filtered", *(["unaccounted"] if unbalanced else []),
+            "unread", "invalid", "duplicate ids", "filtered", "file rows", *(["unaccounted"] if unbalanced else []),
             "aborted (requeued)", "wasted", "stop"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("dataset", "stop") else "right")
     for r in rows:
         ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
+        source = r.get("source_rows")
         cells = [r["dataset"], format_tokens(r["budget"]), f"{r['used']:,}", ratio, f"{r['rows']:,}",
                  *(f"{r[c]:,}" for c in optional), f"{r['skipped']:,}", f"{r['failed']:,}", f"{r['queued']:,}",
-                 f"{r['invalid']:,}", f"{r['duplicate_ids']:,}", f"{r['filtered']:,}",
+                 unread_cell(r), f"{r['invalid']:,}", f"{r['duplicate_ids']:,}", f"{r['filtered']:,}",
+                 "?" if source is None else ("~" if r.get("unread_estimated") else "") + f"{source:,}",
                  *([f"{r['unaccounted']:,}" if r["unaccounted"] is not None else "-"] if unbalanced else []),
                  f"{r['aborted']:,}", f"{r['wasted_tokens']:,}", r["stop"]]
         table.add_row(*cells)
+    return table
+
+
+def _latency(q: dict[str, Any] | None, name: str) -> str:
+    return "-" if q is None else f"{q[name]:.2f} s"
+
+
+def end_of_run_table(report: dict[str, Any]) -> Table:
+    """`budgetq produce`'s end-of-run block: elapsed, tokens and mean tok/s of this run, request
+    latency p50/p95/p99 (each row's latency_s), measured mean response length next to the prior."""
+    table = Table(title=f"end of run: {format_duration(report['elapsed_s'])} elapsed", title_justify="left")
+    for col in ("dataset", "rows written", "tokens", "mean tok/s", "latency p50", "p95", "p99",
+                "mean response (tokens)", "prior_mean_tokens"):
+        table.add_column(col, justify="left" if col == "dataset" else "right")
+    for r in report["datasets"]:
+        mean = r.get("mean_response_tokens")
+        table.add_row(r["dataset"], f"{r['rows_written']:,}", f"{r['tokens_this_run']:,}", f"{r['tok_s']:,.0f}",
+                      *(_latency(r["latency_s"], q) for q in ("p50", "p95", "p99")),
+                      "-" if mean is None else f"{mean:,.0f}", f"{r['prior_mean_tokens']:,}")
+    table.add_row("all", f"{report['rows_written']:,}", f"{report['tokens']:,}", f"{report['tok_s']:,.0f}",
+                  *(_latency(report["latency_s"], q) for q in ("p50", "p95", "p99")), "", "", style="bold")
     return table
 
 

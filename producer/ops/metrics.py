@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from budgetq.shared.ends import Stop
 from budgetq.shared.ledger import STATES
 from budgetq.shared.status import COUNT_FIELDS
 
@@ -47,8 +48,9 @@ class SnapshotCollector:
             yield g
         tok_s = GaugeMetricFamily("budgetq_tokens_per_second", "Counted tokens per second over the last minute "
                                   "(absent once the dataset is done).", labels=["dataset"])
-        eta = GaugeMetricFamily("budgetq_eta_seconds", "Estimated seconds until the budget is reached "
-                                "(absent while there is no rate, and once the dataset is done).", labels=["dataset"])
+        eta = GaugeMetricFamily("budgetq_eta_seconds", "Estimated seconds until the dataset ends: the first of its "
+                                "budget, its prompts and the deadline (absent while there is no rate, and once the "
+                                "dataset is done).", labels=["dataset"])
         ledger = GaugeMetricFamily("budgetq_ledger_prompts", "Prompts of the dataset by the state they are in now "
                                    "(the ledger; they sum to budgetq_ledger_entered_prompts).",
                                    labels=["dataset", "state"])
@@ -57,6 +59,12 @@ class SnapshotCollector:
         unaccounted = GaugeMetricFamily("budgetq_ledger_unaccounted_prompts", "Entered minus the sum of the "
                                         "states: 0 when every prompt is accounted for (absent for a dataset whose "
                                         "state predates the ledger).", labels=["dataset"])
+        unread = GaugeMetricFamily("budgetq_ledger_unread_prompts", "Rows of the dataset's file not read (yet, "
+                                   "or because the budget came first); absent while the file's size is unknown.",
+                                   labels=["dataset"])
+        stop = GaugeMetricFamily("budgetq_stop", "1 for the dataset's stop reason, 0 for the others (budget "
+                                 "reached, deadline, out of prompts, held, paused, interrupted, running).",
+                                 labels=["dataset", "reason"])
         failed_registry = GaugeMetricFamily("budgetq_failed_registry_jobs", "Jobs in RQ's failed registry "
                                             "(retryable with retry-failed).", labels=["dataset"])
         paused = GaugeMetricFamily("budgetq_paused", "1 while an operator has paused the dataset.",
@@ -80,6 +88,10 @@ class SnapshotCollector:
             entered.add_metric([d["dataset"]], float(led["entered"]))
             if led["unaccounted"] is not None:
                 unaccounted.add_metric([d["dataset"]], float(led["unaccounted"]))
+            if led.get("unread") is not None:
+                unread.add_metric([d["dataset"]], float(led["unread"]))
+            for reason in Stop:
+                stop.add_metric([d["dataset"], str(reason)], 1.0 if d.get("stop") == reason else 0.0)
             if d["eta_s"] is not None:
                 eta.add_metric([d["dataset"]], float(d["eta_s"]))
             paused.add_metric([d["dataset"]], 1.0 if d["paused"] else 0.0)
@@ -89,7 +101,8 @@ class SnapshotCollector:
                 jobs.add_metric([d["dataset"], state], float(d["counts"][state]))
             for kind in ("generated", "wasted"):
                 tokens.add_metric([d["dataset"], kind], float(d["tokens"][kind]))
-        yield from (failed_registry, tok_s, eta, ledger, entered, unaccounted, paused, held, exhausted, jobs, tokens)
+        yield from (failed_registry, tok_s, eta, ledger, entered, unaccounted, unread, stop, paused, held, exhausted,
+                    jobs, tokens)
         yield GaugeMetricFamily("budgetq_stalled", "1 while no prompt can move: no live worker while prompts "
                                 "wait, or every server failing (the line is the snapshot's stall).",
                                 value=1.0 if self.snap["stall"] else 0.0)

@@ -20,6 +20,7 @@ from budgetq.producer.ops.check import check_dataset
 from budgetq.producer.run.allocation import Claim, deadline_total, water_fill
 from budgetq.shared import keys, run_plan
 from budgetq.shared.config import Config
+from budgetq.shared.ends import tokens_to_end
 from budgetq.shared.redis_conn import connect_once
 from budgetq.shared.status import format_duration
 from budgetq.shared.tokens import format_tokens
@@ -137,7 +138,8 @@ def make_plan(cfg: Config, tok_s: float | None = None, timeout_s: float = 3.0, n
         r.budget = shares[r.name]
         r.needed = math.ceil(max(0, r.budget - r.used) / r.mean) if r.mean > 0 else 0
     if tok_s:
-        remaining = {r.name: float(min(max(0, r.budget - r.used), r.available * r.mean)) for r in rows}
+        # Each dataset's end (shared/ends.py): its budget or its prompts, whichever comes first.
+        remaining = {r.name: tokens_to_end(r.budget - r.used, r.available, r.mean)[0] for r in rows}
         for name, t in _finish_times(now, remaining, tok_s).items():
             next(r for r in rows if r.name == name).finish = t
     return Plan(now, settings.deadline, settings.total_budget, tok_s, source, tail, rows, err, note)

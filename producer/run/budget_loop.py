@@ -32,11 +32,13 @@ from budgetq.producer.run.allocation import Claim, Latencies, RateMeter, deadlin
 from budgetq.shared import budget, keys, run_plan
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.control import log_action
+from budgetq.shared.ends import eta, mean_counted, prompts_left
+from budgetq.shared.ledger import read_ledgers
 from budgetq.shared.scripts import run as run_script
 from budgetq.shared.stats import Conf
 
 if TYPE_CHECKING:
-    from budgetq.producer.run.producer import Feed
+    from budgetq.producer.run.feed import Feed
 
 log = logging.getLogger("budgetq.producer")
 # A top-level "latency_s" of a row (inside strings JSON escapes the quote).
@@ -322,15 +324,15 @@ class BudgetLoop:
     def _publish(self, now: float, states: dict[str, Any], limits: dict[str, int], rate: float | None,
                  tail: float, ph: str) -> None:
         ds_out = {}
+        ledgers = read_ledgers(self.conn, list(states))
+        deadline = self.settings.deadline
         for n, (st, queued) in states.items():
             limit = limits.get(n, st.limit)
             r = self.per_ds[n].rate()
-            left = max(0, limit - st.used)
-            finish = None
-            if left == 0:
-                finish = now
-            elif r:
-                finish = now + left / r
+            # The first of its ends (shared/ends.py): this limit, its prompts, the deadline.
+            end = eta(limit - st.used, r, prompts_left(ledgers[n]), mean_counted(st),
+                      None if deadline is None else deadline - now)
+            finish = None if end.seconds is None else now + end.seconds
             ds_out[n] = {"weight": self.settings.weight(n), "limit": limit, "used": st.used,
                          "reserved": st.reserved, "queued": queued, "tok_s": None if r is None else round(r, 2),
                          "projected_finish": None if finish is None else round(finish, 3)}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import redis
 
+from budgetq.producer.run.run_report import Reservoir
 from budgetq.shared import keys
 from budgetq.shared.redis_conn import StreamEntries, stream_entries, text
 
@@ -77,6 +78,9 @@ class Collector:
                 self.seen[ds] |= ids_in(path)
         self.written = {ds: 0 for ds in datasets}
         self.cut_kept = {ds: 0 for ds in datasets}   # rows written this run with finish_reason "length"
+        # Request latencies (each row's latency_s) of the rows written this run: the end-of-run block.
+        self.latency = {ds: Reservoir() for ds in datasets}
+        self.latency_all = Reservoir(seed=1)
         self.torn: Path | None = None   # a failed write that could not be cut back (see _truncate)
 
     def drain(self, count: int = 1000) -> int:
@@ -113,6 +117,7 @@ class Collector:
                           "torn tail, and writes the rows again)", str(self.torn))
         chunks: dict[str, list[str]] = {}
         added: list[str] = []
+        latencies: list[float] = []
         cut = 0
         for _eid, fields in entries:
             row = fields[b"row"].decode()
@@ -124,6 +129,8 @@ class Collector:
             if kind == "row" and obj.get("finish_reason") == "length":
                 cut += 1   # keep=all: a cut answer in the training rows (summary says so)
             chunks.setdefault(kind, []).append(row + "\n")
+            if isinstance(lat := obj.get("latency_s"), int | float) and not isinstance(lat, bool):
+                latencies.append(float(lat))
             self.seen[ds].add(pid)
             added.append(pid)
         started: dict[Path, int] = {}
@@ -142,6 +149,9 @@ class Collector:
                 self._truncate(done, size)
             raise OSError(exc.errno, exc.strerror, str(path)) from exc  # a write's error names no file
         self.cut_kept[ds] += cut
+        for lat in latencies:  # counted once the rows are on disk (a failed write is tried again)
+            self.latency[ds].add(lat)
+            self.latency_all.add(lat)
         self.written[ds] += len(added)
         return len(added)
 

@@ -8,7 +8,7 @@ written with the old id scheme is recognised under both (producer/run/migrate.py
 costs only that row: whatever goes wrong reading, mapping, tokenizing or enqueueing it is
 recorded in out/<ds>.invalid.jsonl with the reason, once (a restart that reads the same
 row again does not record it twice), and counted. A dataset is complete when its reading
-has ended (rows exhausted, or budget reached) and no job of it is queued or started; a
+has ended (every row read, or budget reached) and no job of it is queued or started; a
 paused dataset's queued jobs keep the run waiting until it is resumed. The output volume is
 checked before anything is written to Redis, and watched by the disk guard while the run goes
 (producer/run/disk_guard.py): full or read-only, it holds admissions and keeps results in Redis.
@@ -19,9 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 from rq import Queue
@@ -30,19 +27,21 @@ from rq.serializers import JSONSerializer
 
 from budgetq.hidden_states.collect.inline import Capture
 from budgetq.producer.reading.reader import Filtered, Invalid, Prompt, read_prompts
+from budgetq.producer.reading.row_count import count_rows
 from budgetq.producer.run.budget_loop import BudgetLoop
 from budgetq.producer.run.collector import Collector
 from budgetq.producer.run.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
+from budgetq.producer.run.feed import Feed, recorded_invalid
 from budgetq.producer.run.id_rule import settle_id_field
 from budgetq.producer.run.meta import check_and_write_meta
 from budgetq.producer.run.migrate import uses_legacy_ids
 from budgetq.producer.run.reconcile import adopt_missing, rows_on_disk
+from budgetq.producer.run.run_report import RunClock, end_of_run, summary_rows
 from budgetq.shared import jobs, keys
 from budgetq.shared.budget import dataset_state, register_dataset
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.errors import BudgetqError
 from budgetq.shared.identity import job_id, legacy_job_id
-from budgetq.shared.ledger import read_ledgers
 from budgetq.shared.logs import safe
 from budgetq.shared.maintenance import Maintenance
 from budgetq.shared.redis_conn import connect
@@ -57,45 +56,6 @@ JOB_FUNC = "budgetq.worker.job.run_prompt"  # by name: producer never imports wo
 # RQ job statuses that mean "this prompt is already in the system": never enqueue it again.
 # Canceled (skipped by the budget) is one: reopen.lua requeues those once the budget admits them.
 _LIVE = {b"queued", b"started", b"scheduled", b"deferred", b"failed", b"canceled"}
-
-
-@dataclass
-class Feed:
-    ds: DatasetConfig
-    rows: Iterator[Prompt | Invalid | Filtered]
-    queue: Queue
-    legacy: bool = False     # Redis may still hold job ids of the old scheme (see producer/run/migrate.py)
-    pending: list[Prompt] = field(default_factory=list)  # read, not yet enqueued (kept over a Redis outage)
-    enqueued: int = 0
-    invalid: int = 0
-    duplicate: int = 0       # invalid rows whose id repeats an earlier row's (the summary's duplicate_ids)
-    filtered: int = 0
-    filtered_recorded: int = 0  # the filtered count in Redis: the most any run of this dataset filtered
-    already_done: int = 0
-    already_live: int = 0
-    ended: bool = False      # every row read
-    halted: bool = False     # budget reached: reading paused (resumes if the budget is raised)
-    complete: bool = False
-
-    @property
-    def stop_reason(self) -> str:
-        if self.halted:
-            return "budget reached"
-        return "rows exhausted" if self.ended else "running"
-
-
-def _recorded_invalid(path: Path) -> set[tuple[int, str]]:
-    """(line, reason) of every bad row an earlier run already wrote to ``path``."""
-    seen: set[tuple[int, str]] = set()
-    if path.exists():
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                    seen.add((int(rec["line"]), str(rec["reason"])))
-                except (ValueError, KeyError, TypeError):
-                    continue
-    return seen
 
 
 def _payload(ds: DatasetConfig, p: Prompt) -> dict:
@@ -144,8 +104,21 @@ class Producer:
         self.stop_requested = False
         self._maintained_at = 0.0
         self._invalid_files = {d.name: cfg.output_dir / f"{d.name}.invalid.jsonl" for d in cfg.datasets}
-        self._recorded = {d.name: _recorded_invalid(self._invalid_files[d.name]) for d in cfg.datasets}
+        self._recorded = {d.name: recorded_invalid(self._invalid_files[d.name]) for d in cfg.datasets}
+        for f in self.feeds:
+            self._count_rows(f.ds)
+        self.clock = RunClock(self.conn, [d.name for d in cfg.datasets])  # the end-of-run block's start
         self.capture = Capture(cfg)  # capture: features (hidden_states/collect/inline.py); last: it takes locks
+
+    def _count_rows(self, ds: DatasetConfig) -> None:
+        """The file's rows, for the ledger's ``unread`` and the ETA's prompts left (shared/ends.py)."""
+        count = count_rows(ds)
+        conf = keys.conf_key(ds.name)
+        if count is None:
+            self.conn.hdel(conf, Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED)
+        else:
+            self.conn.hset(conf, mapping={Conf.SOURCE_ROWS: count.rows, Conf.SOURCE_ESTIMATED: int(not count.exact)})
+        self.conn.hset(conf, Conf.SOURCE_LIMIT, "" if ds.limit is None else ds.limit)
 
     def _record_invalid(self, f: Feed, bad: Invalid) -> None:
         """Count a bad row, and write it down unless an earlier run already did (same line, same reason)."""
@@ -190,14 +163,17 @@ class Producer:
                 item = None
             if item is None:
                 f.ended = True
-            elif isinstance(item, Invalid):
+                continue
+            f.read += 1
+            if isinstance(item, Invalid):
                 self._record_invalid(f, item)
             elif isinstance(item, Filtered):
                 f.filtered += 1
             else:
                 f.pending.append(item)
-        if f.ended:
-            self.conn.hset(keys.conf_key(f.ds.name), Conf.SOURCE_ENDED, "1")  # status: done, no ETA
+        if f.ended:  # status: done, no ETA; every row is read, so their count is exact now
+            self.conn.hset(keys.conf_key(f.ds.name), mapping={Conf.SOURCE_ENDED: "1", Conf.SOURCE_ROWS: f.read,
+                                                               Conf.SOURCE_ESTIMATED: "0"})
         if f.filtered > f.filtered_recorded:  # a restart reads the rows again: count only beyond the last run
             self.conn.hincrby(keys.stats_key(f.ds.name), Stat.FILTERED, f.filtered - f.filtered_recorded)
             f.filtered_recorded = f.filtered
@@ -322,7 +298,7 @@ class Producer:
         self.guard.sync()
         return wrote
 
-    def run(self, on_tick=None) -> list[dict]:
+    def run(self, on_tick=None) -> dict:
         poll = self.cfg.producer.poll_interval_s
         outage_logged = False
         while True:
@@ -355,13 +331,23 @@ class Producer:
                         log.warning("dataset %s: %d invalid rows (%d of them repeat an earlier id); reasons in %s",
                                     f.ds.name, f.invalid, f.duplicate, self._invalid_files[f.ds.name])
                 if self.stop_requested:
-                    log.warning("stopped on request with the run unfinished; `budgetq produce` again continues it")
+                    self._mark_interrupted()
                 break
             if not wrote:
                 time.sleep(poll)
         self.capture.close()  # hook: the hidden-states pass writes what it collected, releases its lock
         self._warn_cut_rows()
-        return self.summary()
+        return self.report()
+
+    def _mark_interrupted(self) -> None:
+        """Stopped on request: the datasets not complete say ``interrupted`` (shared/ends.py) in the
+        summary and in `budgetq status` until the next `budgetq produce` registers them again."""
+        left = [f.ds.name for f in self.feeds if not f.complete]
+        for name in left:
+            self.conn.hset(keys.conf_key(name), Conf.INTERRUPTED, "1")
+        if left:
+            log.warning("stopped on request with the run unfinished (%s); `budgetq produce` again continues it",
+                        ", ".join(left))
 
     def _warn_unwritten(self) -> None:
         if not self.guard.write_fault:
@@ -381,20 +367,9 @@ class Producer:
                             "`budgetq export --format specforge`, which leaves them out", f.ds.name, n)
 
     def summary(self) -> list[dict]:
-        """One row per dataset: its ledger (shared/ledger.py, what `budgetq status` shows), and what
-        this run did (enqueued, already done, duplicate ids among the invalid rows)."""
-        ledgers = read_ledgers(self.conn, [f.ds.name for f in self.feeds])
-        rows = []
-        for f in self.feeds:
-            st = dataset_state(self.conn, f.ds.name)
-            ledger = ledgers[f.ds.name]
-            rows.append({
-                "dataset": f.ds.name, "budget": st.limit, "used": st.used,
-                **{state: ledger[state] for state in ("queued", "running", "rows", "truncated", "skipped", "failed",
-                                                      "aborted", "invalid", "filtered")},
-                "rows_on_disk": self.collector.rows(f.ds.name), "entered": ledger["entered"],
-                "unaccounted": ledger["unaccounted"], "enqueued": f.enqueued, "already_done": f.already_done,
-                "duplicate_ids": f.duplicate, "wasted_tokens": st.stats.get(Stat.WASTED_TOKENS, 0),
-                "stop": f.stop_reason,
-            })
-        return rows
+        """One row per dataset: its ledger, stop reason and what this run did (producer/run/run_report.py)."""
+        return summary_rows(self.conn, self.feeds, self.collector, self.clock)
+
+    def report(self) -> dict:
+        """The summary rows and the end-of-run block: complete or not, elapsed, tok/s, latencies."""
+        return end_of_run(self.summary(), self.clock, self.collector)

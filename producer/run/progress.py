@@ -17,7 +17,7 @@ import redis
 from budgetq.shared import server_faults
 from budgetq.shared.config import Config
 from budgetq.shared.ledger import STATES, read_ledgers
-from budgetq.shared.status import dataset_snapshots, format_duration, read_fleet, server_now
+from budgetq.shared.status import dataset_snapshots, format_duration, format_eta, read_fleet, server_now
 from budgetq.shared.tokens import format_tokens
 
 log = logging.getLogger("budgetq.progress")
@@ -132,15 +132,16 @@ class ProgressReporter:
     def _log_line(self, d: dict[str, Any]) -> None:
         led = d["ledger"]
         pct = d["used_pct"] if d["used_pct"] is not None else 0.0
-        rate = "done" if d["tok_s"] is None else f"{d['tok_s']:.0f} tok/s, ETA {format_duration(d['eta_s'])}"
+        rate = "done" if d["tok_s"] is None else f"{d['tok_s']:.0f} tok/s, ETA {format_eta(d['eta_s'], d['eta_by'])}"
         if d["state"] in ("paused", "held"):  # why the ETA is "-" (the hold's reason is the producer's own line)
             rate = f"{d['state']}, {rate}"
         log.info("progress %s %.2f%% (%s / %s tokens, %s)", d["dataset"], pct,
                  format_tokens(d["used"]), format_tokens(d["budget"]), rate,
                  extra={"dataset": d["dataset"], "state": d["state"], "used": d["used"], "budget": d["budget"],
-                        "tok_s": d["tok_s"], "eta_s": d["eta_s"], "in_flight": d["in_flight"],
+                        "tok_s": d["tok_s"], "eta_s": d["eta_s"], "eta_by": d["eta_by"], "stop": d["stop"],
+                        "in_flight": d["in_flight"],
                         **{state: led[state] for state in STATES}, "committed": led["rows"],
-                        "invalid": led["invalid"],
+                        "invalid": led["invalid"], "unread": led["unread"],
                         "unaccounted": led["unaccounted"]})
 
     def _start_bars(self) -> None:
