@@ -234,3 +234,25 @@ def test_requeueing_commands_say_a_producer_collects_and_name_the_producers_hold
         assert out.returncode == 0 and out.stdout.endswith(f"; admissions stay held by the producer: {why}\n"), out
         assert COLLECT_NOTE not in out.stdout, out
     assert conn.zcard(keys.rq_registry_key("B2", Ending.CANCELED)) == 1   # still skipped: nothing changed
+
+
+
+def test_a_produce_that_fails_at_start_leaves_no_key_in_redis(tmp_path, redis_url, conn):
+    """What can refuse the run (a missing file, a dataset's ids) is checked before the first write."""
+    (tmp_path / "a.jsonl").write_text('{"id": "a1", "prompt": "hi"}\n')
+    cfg = _config(tmp_path, redis_url=redis_url, output_dir=str(tmp_path / "out"), producer={"progress": "off"},
+                  run={"deadline": "1h", "total_budget": "10k"},
+                  datasets=[{"name": "A", "path": str(tmp_path / "a.jsonl")},
+                            {"name": "B", "path": str(tmp_path / "missing.jsonl")}])
+    _one_line_error(_cli("--log-level", "WARNING", "produce", "-c", cfg), "dataset B: file not found")
+    assert conn.keys("*") == []
+    # a dataset whose state was made with other ids (the id rule is checked before anything is written)
+    conn.hset(keys.conf_key("A"), "id_field", '"id"')
+    before = {k: conn.dump(k) for k in conn.keys("*")}
+    (tmp_path / "b.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = _config(tmp_path, redis_url=redis_url, output_dir=str(tmp_path / "out"), producer={"progress": "off"},
+                  datasets=[{"name": "B", "path": str(tmp_path / "b.jsonl"), "budget": "1k"},
+                            {"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k", "id_field": None}])
+    _one_line_error(_cli("--log-level", "WARNING", "produce", "-c", cfg),
+                    "dataset A: its rows and Redis state were made with ids")
+    assert {k: conn.dump(k) for k in conn.keys("*")} == before

@@ -81,10 +81,11 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="budgetq summary")
     optional = [c for c in ("truncated", "running") if any(r[c] for r in rows)]
     unbalanced = any(r["unaccounted"] for r in rows)  # 0 or None (state older than the ledger): hidden
-    # Where every prompt is (the ledger's states), then rows never enqueued, then what happened
-    # on the way (aborted requests went back to the queue: an event count, not a state).
+    # Where every prompt is (the ledger's states), then rows never enqueued (invalid counts repeated
+    # ids too, as check does: producer/reading/tally.py), then what happened on the way (aborted
+    # requests went back to the queue: an event count, not a state).
     cols = ["dataset", "budget", "used", "used/budget", "rows", *optional, "skipped", "failed", "queued",
-            "invalid", "duplicate ids", "filtered", *(["unaccounted"] if unbalanced else []),
+            "invalid", "of them duplicate ids", "filtered", *(["unaccounted"] if unbalanced else []),
             "aborted (requeued)", "wasted", "stop"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("dataset", "stop") else "right")

@@ -8,11 +8,10 @@ written with the old id scheme is recognised under both (producer/run/migrate.py
 costs only that row: whatever goes wrong reading, mapping, tokenizing or enqueueing it is
 recorded in out/<ds>.invalid.jsonl with the reason, once (a restart that reads the same
 row again does not record it twice), and counted. A dataset is complete when its reading
-has ended (rows exhausted, or budget reached) and no job of it is queued or started; a
-paused dataset's queued jobs keep the run waiting until it is resumed. The output volume is
-checked before anything is written to Redis, and watched by the disk guard while the run goes
-(producer/run/disk_guard.py): full or read-only, it holds admissions and keeps results in Redis.
-"""
+has ended (rows exhausted, or budget reached) and no job of it is queued or started; a paused
+dataset's queued jobs keep the run waiting until it is resumed. The output volume and the datasets
+are checked before anything is written to Redis; the disk guard (producer/run/disk_guard.py) then
+holds admissions while the volume is full or read-only."""
 
 from __future__ import annotations
 
@@ -30,10 +29,11 @@ from rq.serializers import JSONSerializer
 
 from budgetq.hidden_states.collect.inline import Capture
 from budgetq.producer.reading.reader import Filtered, Invalid, Prompt, read_prompts
+from budgetq.producer.reading.tally import RowTally
 from budgetq.producer.run.budget_loop import BudgetLoop
 from budgetq.producer.run.collector import Collector
 from budgetq.producer.run.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
-from budgetq.producer.run.id_rule import settle_id_field
+from budgetq.producer.run.id_rule import record_id_field, settle_id_field
 from budgetq.producer.run.meta import check_and_write_meta
 from budgetq.producer.run.migrate import uses_legacy_ids
 from budgetq.producer.run.reconcile import adopt_missing, rows_on_disk
@@ -67,9 +67,9 @@ class Feed:
     legacy: bool = False     # Redis may still hold job ids of the old scheme (see producer/run/migrate.py)
     pending: list[Prompt] = field(default_factory=list)  # read, not yet enqueued (kept over a Redis outage)
     enqueued: int = 0
-    invalid: int = 0
-    duplicate: int = 0       # invalid rows whose id repeats an earlier row's (the summary's duplicate_ids)
-    filtered: int = 0
+    # valid / invalid (duplicates included) / duplicates / filtered rows read this run, as check
+    # counts them (producer/reading/tally.py); the summary's duplicate_ids
+    read: RowTally = field(default_factory=RowTally)
     filtered_recorded: int = 0  # the filtered count in Redis: the most any run of this dataset filtered
     already_done: int = 0
     already_live: int = 0
@@ -112,17 +112,10 @@ class Producer:
         self.conn = connect(cfg.redis_url)
         self.feeds: list[Feed] = []
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
-        self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
-        for ds in cfg.datasets:
-            kept = register_dataset(self.conn, ds, keep_limit=self.budgets.active)
-            if kept is not None:
-                log.info("dataset %s: budget %s (set live) kept; the config's %s is the one already applied "
-                         "(change it in the config, or `budgetq budget set`, to move it)", ds.name,
-                         format_tokens(kept), format_tokens(ds.budget or 0))
+        for ds in cfg.datasets:  # what can refuse the run only reads Redis: a failed start leaves no bq:* key
+            settle_id_field(self.conn, ds, cfg.output_dir, record=False)  # the ids its state was made with
             q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
-            legacy = uses_legacy_ids(self.conn, ds.name)
-            settle_id_field(self.conn, ds, cfg.output_dir)  # the ids this dataset's state was made with
-            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy,
+            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q,
                                    filtered_recorded=int(self.conn.hget(keys.stats_key(ds.name), Stat.FILTERED) or 0)))
         try:
             self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
@@ -131,6 +124,15 @@ class Producer:
             raise output_error(cfg.output_dir, exc) from None
         for warning in warnings:
             log.warning(warning)
+        self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
+        for f in self.feeds:
+            kept = register_dataset(self.conn, f.ds, keep_limit=self.budgets.active)
+            if kept is not None:
+                log.info("dataset %s: budget %s (set live) kept; the config's %s is the one already applied (change "
+                         "it in the config, or `budgetq budget set`, to move it)", f.ds.name, format_tokens(kept),
+                         format_tokens(f.ds.budget or 0))
+            f.legacy = uses_legacy_ids(self.conn, f.ds.name)
+            record_id_field(self.conn, f.ds)
         # hook: the disk guard; its first sync ends a hold a previous producer left
         self.guard = OutputGuard(self.conn, cfg.output_dir, cfg.min_free_mb, [d.name for d in cfg.datasets])
         self.guard.sync()
@@ -149,9 +151,7 @@ class Producer:
 
     def _record_invalid(self, f: Feed, bad: Invalid) -> None:
         """Count a bad row, and write it down unless an earlier run already did (same line, same reason)."""
-        f.invalid += 1
-        if bad.duplicate:
-            f.duplicate += 1
+        f.read.add(bad)
         if (bad.line, bad.reason) in self._recorded[f.ds.name]:
             return
         self._recorded[f.ds.name].add((bad.line, bad.reason))
@@ -192,15 +192,15 @@ class Producer:
                 f.ended = True
             elif isinstance(item, Invalid):
                 self._record_invalid(f, item)
-            elif isinstance(item, Filtered):
-                f.filtered += 1
             else:
-                f.pending.append(item)
+                f.read.add(item)
+                if isinstance(item, Prompt):
+                    f.pending.append(item)
         if f.ended:
             self.conn.hset(keys.conf_key(f.ds.name), Conf.SOURCE_ENDED, "1")  # status: done, no ETA
-        if f.filtered > f.filtered_recorded:  # a restart reads the rows again: count only beyond the last run
-            self.conn.hincrby(keys.stats_key(f.ds.name), Stat.FILTERED, f.filtered - f.filtered_recorded)
-            f.filtered_recorded = f.filtered
+        if f.read.filtered > f.filtered_recorded:  # a restart reads the rows again: count only beyond the last run
+            self.conn.hincrby(keys.stats_key(f.ds.name), Stat.FILTERED, f.read.filtered - f.filtered_recorded)
+            f.filtered_recorded = f.read.filtered
         if f.pending:
             # Kept in f.pending until enqueued: a Redis outage here loses no row.
             self._enqueue(f, f.pending)
@@ -351,9 +351,9 @@ class Producer:
                     continue
                 self._warn_unwritten()
                 for f in self.feeds:
-                    if f.invalid:
+                    if f.read.invalid:
                         log.warning("dataset %s: %d invalid rows (%d of them repeat an earlier id); reasons in %s",
-                                    f.ds.name, f.invalid, f.duplicate, self._invalid_files[f.ds.name])
+                                    f.ds.name, f.read.invalid, f.read.duplicates, self._invalid_files[f.ds.name])
                 if self.stop_requested:
                     log.warning("stopped on request with the run unfinished; `budgetq produce` again continues it")
                 break
@@ -394,7 +394,7 @@ class Producer:
                                                       "aborted", "invalid", "filtered")},
                 "rows_on_disk": self.collector.rows(f.ds.name), "entered": ledger["entered"],
                 "unaccounted": ledger["unaccounted"], "enqueued": f.enqueued, "already_done": f.already_done,
-                "duplicate_ids": f.duplicate, "wasted_tokens": st.stats.get(Stat.WASTED_TOKENS, 0),
+                "duplicate_ids": f.read.duplicates, "wasted_tokens": st.stats.get(Stat.WASTED_TOKENS, 0),
                 "stop": f.stop_reason,
             })
         return rows
