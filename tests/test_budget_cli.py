@@ -52,7 +52,10 @@ def test_live_total_weight_and_deadline_and_a_restart_keeps_them(tmp_path, redis
     finally:
         procs.stop_all()
     log = [e[1][b"action"].decode() for e in conn.xrange(keys.CONTROL_LOG)]
-    assert {"weight_set", "total_set", "deadline_set", "budget_total"} <= set(log)
+    assert {"weight_set", "total_set", "deadline_set"} <= set(log) and "budget_total" not in log
+    # the producer's own moves: in their own log, by the producer, never a person's user@host
+    auto = [(e[1][b"action"], e[1][b"who"]) for e in conn.xrange(keys.CONTROL_AUTO_LOG)]
+    assert auto and set(auto) == {(b"budget_total", b"producer (total split)")}, auto
 
 
 def test_bad_values_are_one_line_errors(tmp_path, redis_url, conn):
