@@ -203,7 +203,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp = with_config(sub.add_parser("produce", help="enqueue prompts and collect results"))
     sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP)
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
-    cli_plan.run_flags(sp, "over the config's; a restart with the same 12h keeps the time it was first fixed to")
+    cli_plan.run_flags(sp, "over the config's",
+                       deadline_note="; a restart with the same 12h keeps the time it was first fixed to",
+                       total_note="; a restart with the same value keeps what `budgetq budget total` set live since")
     sp.set_defaults(func=cmd_produce)
     sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))
     sp.add_argument("--concurrency", type=concurrency_arg,
