@@ -221,7 +221,8 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("demo", help="the whole pipeline on one machine with bundled data")
     sp.add_argument("--redis-url")
     sp.add_argument("--workers", type=positive_int, default=2)
-    sp.add_argument("--concurrency", type=positive_int, default=64)
+    sp.add_argument("--concurrency", type=positive_int, default=32,
+                    help="requests in flight per worker (default 32: sized with the demo's budgets, see demo.yaml)")
     sp.set_defaults(func=cmd_demo)
 
 
