@@ -1,6 +1,7 @@
 """The operator commands, run as a user would (subprocess) against a real Redis."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -272,6 +273,11 @@ def test_a_bad_flag_is_named_by_the_flag_not_blamed_on_the_config(tmp_path):
     # the file's own mistake is still the file's
     cfg.write_text("datasets:\n  - {name: A, path: a.jsonl, budget: 1k}\nrun: {deadline: 40}\n")
     _one_line_error(_cli("produce", "-c", str(cfg)), f"invalid config {cfg}: run.deadline: deadline 40")
+    # an env var's is the env var's
+    out = subprocess.run([sys.executable, "-m", "budgetq.cli", "status", "--redis-url", "redis://127.0.0.1:1/0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "BUDGETQ_MONITOR_PORT": "99999"})
+    _one_line_error(out, "budgetq: error: $BUDGETQ_MONITOR_PORT: Input should be less than 65536 (got '99999')")
 
 
 def test_produce_help_gives_each_run_flag_its_own_text():
