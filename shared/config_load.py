@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,22 +77,39 @@ def _did_you_mean(loc: tuple[Any, ...]) -> str:
     return f" (known fields: {', '.join(sorted(model.model_fields))})"
 
 
-def _describe(err: ValidationError, source: str) -> str:
-    """One error: one line (``invalid config X: field: message``), as every error of the CLI is;
+def _origin(loc: tuple[Any, ...], origins: Mapping[tuple[str, ...], str]) -> str | None:
+    """The flag or env var a field's value came from (``--deadline``), if not from the file."""
+    for path, name in origins.items():
+        if loc[:len(path)] == path:
+            return name
+    return None
+
+
+def _describe(err: ValidationError, source: str, origins: Mapping[tuple[str, ...], str]) -> str:
+    """One error: one line (``invalid config X: field: message``, or ``--deadline 40: message``
+    for a flag's value, ``$BUDGETQ_X: message`` for an env var's), as every error of the CLI is;
     several: a heading, then one line each."""
-    lines = []
+    lines, from_file = [], False
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         shown = repr(e.get("input"))
+        origin = _origin(tuple(e["loc"]), origins)
+        if origin is not None and origin.startswith("-"):
+            # the flag and its value as typed; a message that starts by naming them says the rest
+            msg = re.sub(rf"^\w+ {re.escape(shown)}: ", "", msg)
+            lines.append(f"{origin} {e.get('input')}: {msg}")
+            continue
         # our own messages name the value already ("(got -5)" for -5 or "-5"): "(got ...)" once, not twice
         got = f" (got {shown})" if "input" in e and not isinstance(e["input"], dict) and shown not in msg \
             and "(got " not in msg else ""
         hint = _did_you_mean(tuple(e["loc"])) if e["type"] == "extra_forbidden" else ""
-        lines.append(f"{loc}: {msg}{hint}{got}")
+        lines.append(f"{'$' + origin if origin else loc}: {msg}{hint}{got}")
+        from_file = from_file or origin is None
+    head = f"invalid config {source}: " if from_file else ""
     if len(lines) == 1:
-        return f"invalid config {source}: {lines[0]}"
-    return "\n  ".join([f"invalid config {source}: {len(lines)} errors:", *lines])
+        return head + lines[0]
+    return "\n  ".join([f"{head}{len(lines)} errors:", *lines])
 
 
 def _is_local_path(path: str) -> bool:
@@ -99,8 +117,10 @@ def _is_local_path(path: str) -> bool:
 
 
 def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
-                env: Mapping[str, str] | None = None) -> Config:
-    """Load YAML (if given), apply env overrides, then CLI overrides; errors name field and value."""
+                env: Mapping[str, str] | None = None, flags: Mapping[tuple[str, ...], str] | None = None) -> Config:
+    """Load YAML (if given), apply env overrides, then CLI overrides; errors name field and value,
+    and the flag (``flags``: field -> ``--deadline``) or env var a bad value came from."""
+    origins: dict[tuple[str, ...], str] = {}
     environ: Mapping[str, str] = os.environ if env is None else env
     raw: dict[str, Any] = {}
     source = "(defaults)"
@@ -130,10 +150,13 @@ def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...],
             if key_path == ("server", "urls"):
                 value = [u.strip() for u in value.split(",") if u.strip()]
             _set(raw, key_path, value)
+            origins[key_path] = var
     for key_path, value in (overrides or {}).items():
         if value is not None:
             _set(raw, key_path, value)
+            if flags and key_path in flags:
+                origins[key_path] = flags[key_path]
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, source)) from None
+        raise ConfigError(_describe(exc, source, origins)) from None

@@ -35,9 +35,18 @@ def who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def log_action(conn: redis.Redis, action: str, dataset: str, old: object = "", new: object = "") -> None:
-    conn.xadd(keys.CONTROL_LOG, {"ts": f"{time.time():.3f}", "who": who(), "action": action, "dataset": dataset,
-                                 "old": str(old), "new": str(new)},
+# Actions whose old and new values are token counts (shown as 282.20k, as budgets are everywhere).
+TOKEN_ACTIONS = frozenset({"budget_set", "budget_total", "budget_deadline", "total_set"})
+
+
+def log_action(conn: redis.Redis, action: str, dataset: str, old: object = "", new: object = "",
+               actor: str | None = None) -> None:
+    """Append to the control log. A person's action (``actor`` None: ``user@host``) goes to
+    ``CONTROL_LOG``; the producer's own moves name the producer and why (``producer (deadline
+    pacing)``) and go to ``CONTROL_AUTO_LOG``, so they never push a person's action out."""
+    stream = keys.CONTROL_LOG if actor is None else keys.CONTROL_AUTO_LOG
+    conn.xadd(stream, {"ts": f"{time.time():.3f}", "who": actor or who(), "action": action, "dataset": dataset,
+                       "old": str(old), "new": str(new)},
               maxlen=keys.CONTROL_LOG_MAXLEN, approximate=True)
 
 

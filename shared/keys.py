@@ -22,6 +22,10 @@ WORKERS = f"{PREFIX}:workers"
 # fields ts, who, action, dataset, old, new.
 CONTROL_LOG = f"{PREFIX}:control"
 CONTROL_LOG_MAXLEN = 1000
+# Stream of the producer's automatic budget moves (deadline pacing, the total's split, the abort at
+# a deadline), same fields; apart from CONTROL_LOG so its hundreds of pace steps never push a
+# person's action out of the log or off `budgetq status`.
+CONTROL_AUTO_LOG = f"{PREFIX}:control:auto"
 # A run's deadline, total budget and weights (hash; shared/run_plan.py), and what the producer's
 # budget loop measured and projects from them (JSON string): docs/budget.md "Deadline and total".
 PLAN = f"{PREFIX}:plan"

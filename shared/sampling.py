@@ -147,5 +147,25 @@ def resolve_datasets(datasets: list[Any], tokenizer: str | None) -> None:
     model_defaults, source = generation_defaults(tokenizer)
     for ds in datasets:
         ds.sampling, origin = resolve(ds.sampling, model_defaults, source)
-        log.info("dataset %s: sampling %s", ds.name,
-                 ", ".join(f"{k}={getattr(ds.sampling, k)} ({origin[k]})" for k in NEUTRAL))
+        log.info("dataset %s: sampling: %s", ds.name, sampling_summary(ds.sampling, origin))
+        log.debug("dataset %s: sampling %s", ds.name,
+                  ", ".join(f"{k}={getattr(ds.sampling, k)} ({origin[k]})" for k in NEUTRAL))
+
+
+def sampling_summary(sp: SamplingParams, origin: dict[str, str]) -> str:
+    """One short line of what an operator needs: the values set and where each came from, and
+    which are left to the server (``temperature=0.7 (config); server defaults: top_p, top_k, ...``).
+    The long form, with SGLang's neutral values, is at DEBUG."""
+    by_origin: dict[str, list[str]] = {}
+    unset = []
+    for key in NEUTRAL:
+        if getattr(sp, key) is None:
+            unset.append(key)
+        else:
+            by_origin.setdefault(origin[key], []).append(f"{key}={getattr(sp, key)}")
+    if not by_origin:
+        return "the server's defaults (none set by the config or the model)"
+    parts = [f"{', '.join(values)} ({where})" for where, values in by_origin.items()]
+    if unset:
+        parts.append("server defaults: " + ", ".join(unset))
+    return "; ".join(parts)

@@ -37,6 +37,9 @@ SCHEMA_VERSION = 4
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
 HISTORY_S = 600              # the tokens-over-time series covers this many seconds
 CONTROL_ENTRIES = 10         # operator actions shown
+AUTO_ENTRIES = 5             # the producer's automatic budget moves shown, apart
+# Moves an earlier version logged with people's actions: left out of them when read.
+_LEGACY_AUTO = {"budget_total", "budget_deadline"}
 # Event counters of the stats hash (how often each thing happened, cumulative), always present
 # in a snapshot (0 when missing). Where the prompts are now is the ledger (shared/ledger.py).
 COUNT_FIELDS = ("committed", "truncated", "skipped", "failed", "invalid", "duplicate_result", "aborted",
@@ -320,14 +323,21 @@ def endpoint_summary(workers: list[dict[str, Any]], configured: Iterable[str] = 
     return sorted(agg.values(), key=lambda a: a["url"])
 
 
-def control_entries(conn: redis.Redis, n: int = CONTROL_ENTRIES) -> list[dict[str, Any]]:
-    """The last ``n`` operator actions, newest first."""
-    out = []
-    for eid, fields in stream_entries(conn.xrevrange(keys.CONTROL_LOG, count=n)):
+def control_entries(conn: redis.Redis, n: int = CONTROL_ENTRIES, auto: bool = False) -> list[dict[str, Any]]:
+    """The last ``n`` operator actions (people's), newest first; ``auto``: the producer's
+    automatic budget moves instead (shared/control.py log_action)."""
+    out: list[dict[str, Any]] = []
+    stream = keys.CONTROL_AUTO_LOG if auto else keys.CONTROL_LOG
+    # people's log may still hold an earlier version's pace steps: read past them
+    for eid, fields in stream_entries(conn.xrevrange(stream, count=n if auto else 10 * n)):
         f = {text(k): text(v) for k, v in fields.items()}
+        if not auto and f.get("action") in _LEGACY_AUTO:
+            continue
         out.append({"id": text(eid), "ts": _num(f.get("ts"), float, None), "who": f.get("who"),
                     "action": f.get("action"), "dataset": f.get("dataset"), "old": f.get("old"),
                     "new": f.get("new")})
+        if len(out) == n:
+            break
     return out
 
 
@@ -362,5 +372,6 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
         "diagnosis": server_faults.diagnosis(faults),
         "stall": fleet_stall(fleet, (d["ledger"] for d in datasets)),
         "control": control_entries(conn, control_n),
+        "control_auto": control_entries(conn, AUTO_ENTRIES, auto=True),
         "plan": run_plan.status_part(conn, now),  # deadline and total (docs/budget.md); None without
     }

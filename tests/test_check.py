@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import redis
 import yaml
 
-from budgetq.producer.ops.check import model_matches, reason_key
+from budgetq.producer.ops.check import CheckReport, RedisCheck, format_report, model_matches, reason_key
 from budgetq.shared import keys
 from budgetq.simulator.local import free_port
 from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -67,9 +68,10 @@ def test_check_counts_prompts_and_estimates_the_run_without_writing_to_redis(tmp
     assert _snapshot(conn) == before
     report = json.loads(proc.stdout)
     a1, b2 = report["datasets"]
-    assert (a1["valid"], a1["duplicates"], a1["unique"], a1["invalid"], a1["filtered"]) == (22, 2, 20, 3, 1)
+    # a repeated id is an invalid row (producer/reading/tally.py), as in the producer's summary
+    assert (a1["valid"], a1["duplicates"], a1["unique"], a1["invalid"], a1["filtered"]) == (20, 2, 20, 5, 1)
     assert a1["invalid_by_reason"] == {"bad JSON at column N: Expecting property name enclosed in double quotes": 2,
-                                       "missing field 'prompt'": 1}
+                                       "missing field 'prompt'": 1, "duplicate id": 2}
     assert a1["first_at"]["missing field 'prompt'"] == 25
     assert a1["prompt_chars"]["count"] == 20 and a1["prompt_tokens"] is None  # first occurrences only
     # A1: 18k left at 1,000 per response = 18 responses; 20 unique - 12 done = 8 left: runs out.
@@ -87,6 +89,49 @@ def test_check_counts_prompts_and_estimates_the_run_without_writing_to_redis(tmp
             "(first at line 23)") in text.stdout.splitlines(), text.stdout
     assert "RUNS OUT of prompts before its budget: 8 left, ~18 needed" in text.stdout
     assert "check: every dataset can run" in text.stdout.splitlines()[-1]
+
+
+def test_check_and_the_producers_summary_count_invalid_rows_and_duplicate_ids_alike(tmp_path, redis_url):
+    """One definition (producer/reading/tally.py): a repeated id is an invalid row, and of them a
+    duplicate id, in check, the producer's summary and the ledger alike."""
+    from budgetq.cli.common import load
+    from budgetq.producer.ops.check import check_dataset
+    from budgetq.producer.run.producer import Producer
+
+    config = _config(tmp_path, redis_url, f"http://127.0.0.1:{free_port()}")
+    cfg = load(argparse.Namespace(config=str(config), output_dir=str(tmp_path / "out")))
+    cfg.datasets = cfg.datasets[:1]   # A1 (B2's strict budget is below one max_tokens: it reads nothing)
+    checked = check_dataset(cfg.datasets[0], cfg)
+    assert (checked.valid, checked.invalid, checked.duplicates, checked.filtered) == (20, 5, 2, 1)
+    producer = Producer(cfg)
+    while not all(f.ended for f in producer.feeds):
+        producer.tick()
+    a1 = next(r for r in producer.summary() if r["dataset"] == "A1")
+    assert (a1["invalid"], a1["duplicate_ids"], a1["filtered"]) == (checked.invalid, checked.duplicates,
+                                                                     checked.filtered)
+    assert producer.feeds[0].enqueued == checked.valid
+    text = format_report(CheckReport([checked], RedisCheck("r", True), [], None))
+    assert "  prompts: 20 valid, 5 invalid (2 of them duplicate ids), 1 filtered; read in " in text, text
+    assert "    invalid: 2 x duplicate id 'p3' (an earlier row has it; the first one is kept) (first at line 21)" \
+        in text.splitlines(), text
+
+
+def test_check_strict_exits_1_on_invalid_rows_and_0_on_clean_data(tmp_path, redis_url, sim_factory):
+    url = sim_factory("--instant")
+    config = _config(tmp_path, redis_url, url)
+    assert _check(config).returncode == 0   # invalid rows are reported, not fatal, without --strict
+    proc = _check(config, "--strict")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == "check: FAILED (--strict: invalid rows in A1 (5), B2 (5))", proc.stdout
+    report = json.loads(_check(config, "--strict", "--json").stdout)
+    assert report["strict"] and not report["ok"]
+    cfg = yaml.safe_load(config.read_text())
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps({"id": f"c{i}", "prompt": f"a clean prompt {i}"}) + "\n" for i in range(5)))
+    cfg["datasets"] = [{**cfg["datasets"][0], "path": str(clean)}]
+    config.write_text(yaml.safe_dump(cfg))
+    proc = _check(config, "--strict")
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "check: every dataset can run", proc.stdout
 
 
 def test_check_works_with_a_read_only_acl_user(tmp_path, redis_url, conn, sim_factory):
@@ -136,7 +181,7 @@ def test_a_dataset_that_cannot_be_read_fails_the_check_and_the_others_are_still_
     assert proc.returncode == 1
     a1, b2, c1 = json.loads(proc.stdout)["datasets"]
     assert not a1["ok"] and "missing.jsonl" in a1["error"]
-    assert b2["ok"] and b2["valid"] == 22
+    assert b2["ok"] and b2["valid"] == 20
     assert not c1["ok"] and c1["invalid"] == 1 and c1["valid"] == 0
 
 
@@ -148,15 +193,16 @@ def test_check_counts_prompt_tokens_with_the_tokenizer(tmp_path, redis_url, sim_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a1 = json.loads(proc.stdout)["datasets"][0]
     tokens = a1["prompt_tokens"]
-    assert tokens["count"] == a1["unique"] == 20 and a1["valid"] == 22 and 0 < tokens["min"] <= tokens["max"]
+    assert tokens["count"] == a1["unique"] == a1["valid"] == 20 and 0 < tokens["min"] <= tokens["max"]
     # Prompts over max_prompt_tokens are invalid, with the numbers, counted under one reason.
     cfg = yaml.safe_load(config.read_text())
     cfg["datasets"][0]["max_prompt_tokens"] = tokens["max"] - 1
     config.write_text(yaml.safe_dump(cfg))
     a1 = json.loads(_check(config, "--json").stdout)["datasets"][0]
     too_long = {r: n for r, n in a1["invalid_by_reason"].items() if "max_prompt_tokens" in r}
+    # (the rows too long include the first p3 and p7: the later rows with those ids are then no duplicates)
     assert len(too_long) == 1 and a1["invalid"] == 3 + sum(too_long.values()) and a1["valid"] == 22 - sum(
-        too_long.values())
+        too_long.values()) and a1["duplicates"] == 0
     assert a1["prompt_tokens"]["max"] <= tokens["max"] - 1
 
 

@@ -1,6 +1,7 @@
 """The operator commands, run as a user would (subprocess) against a real Redis."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -234,3 +235,77 @@ def test_requeueing_commands_say_a_producer_collects_and_name_the_producers_hold
         assert out.returncode == 0 and out.stdout.endswith(f"; admissions stay held by the producer: {why}\n"), out
         assert COLLECT_NOTE not in out.stdout, out
     assert conn.zcard(keys.rq_registry_key("B2", Ending.CANCELED)) == 1   # still skipped: nothing changed
+
+
+def test_budgets_take_exponents_and_refuse_nan_and_inf_in_one_line(tmp_path, redis_url, conn):
+    from budgetq.shared.config_fields import parse_budget
+
+    assert parse_budget("1e7") == parse_budget("1E7") == parse_budget(1e7) == 10_000_000
+    assert parse_budget("2.5e6") == 2_500_000 and parse_budget("1e+07") == 10_000_000
+    register_dataset(conn, DatasetConfig(name="A", path="x", budget="1M"))
+    assert _cli("budget", "set", "A", "1e7", "--redis-url", redis_url).returncode == 0
+    assert int(conn.hget(keys.conf_key("A"), "limit")) == 10_000_000
+    for bad, needle in (("nan", "not a finite token count: 'nan'"), ("inf", "not a finite token count: 'inf'"),
+                        ("Infinity", "not a finite token count: 'Infinity'"), ("0", "a budget must be above 0 (got 0)"),
+                        ("-1e7", "a budget must be above 0 (got -1e7)")):
+        _one_line_error(_cli("budget", "set", "A", bad, "--redis-url", redis_url), needle)
+    assert int(conn.hget(keys.conf_key("A"), "limit")) == 10_000_000
+    # the config: YAML reads 1e7 as a string, .inf as a float
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("datasets:\n  - {name: A, path: a.jsonl, budget: 1e7}\n")
+    out = _cli("plan", "-c", str(cfg), "--tok-s", "10", "--redis-url", redis_url)
+    assert out.returncode == 0 and "10.00M" in out.stdout, out.stdout + out.stderr
+    cfg.write_text("datasets:\n  - {name: A, path: a.jsonl, budget: .inf}\n")
+    _one_line_error(_cli("produce", "-c", str(cfg)), f"invalid config {cfg}: datasets.0.budget: not a finite "
+                                                     "token count: inf")
+
+
+def test_a_bad_flag_is_named_by_the_flag_not_blamed_on_the_config(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = tmp_path / "budgetq.yaml"
+    cfg.write_text("datasets:\n  - {name: A, path: a.jsonl, budget: 1k}\n")
+    out = _cli("produce", "-c", str(cfg), "--deadline", "40")
+    _one_line_error(out, "budgetq: error: --deadline 40: expected a duration (12h, 90m, 1h30m, 45s) or an ISO time")
+    assert "invalid config" not in out.stderr and "run.deadline" not in out.stderr
+    out = _cli("produce", "-c", str(cfg), "--total-budget", "0")
+    _one_line_error(out, "budgetq: error: --total-budget 0: a total budget must be above 0")
+    # the file's own mistake is still the file's
+    cfg.write_text("datasets:\n  - {name: A, path: a.jsonl, budget: 1k}\nrun: {deadline: 40}\n")
+    _one_line_error(_cli("produce", "-c", str(cfg)), f"invalid config {cfg}: run.deadline: deadline 40")
+    # an env var's is the env var's
+    out = subprocess.run([sys.executable, "-m", "budgetq.cli", "status", "--redis-url", "redis://127.0.0.1:1/0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "BUDGETQ_MONITOR_PORT": "99999"})
+    _one_line_error(out, "budgetq: error: $BUDGETQ_MONITOR_PORT: Input should be less than 65536 (got '99999')")
+
+
+def test_produce_help_gives_each_run_flag_its_own_text():
+    out = _cli("produce", "--help")
+    text = " ".join(out.stdout.split())
+    deadline = text[text.index("--deadline DEADLINE run.deadline"):text.index("--total-budget TOTAL_BUDGET run.")]
+    total = text[text.index("--total-budget TOTAL_BUDGET run."):]
+    assert "keeps the time it was first fixed to" in deadline
+    assert "12h" not in total and "keeps the time" not in total, total
+    assert "tokens over all datasets, split by weight" in total and "budget total" in total, total
+
+
+def test_a_produce_that_fails_at_start_leaves_no_key_in_redis(tmp_path, redis_url, conn):
+    """What can refuse the run (a missing file, a dataset's ids) is checked before the first write."""
+    (tmp_path / "a.jsonl").write_text('{"id": "a1", "prompt": "hi"}\n')
+    cfg = _config(tmp_path, redis_url=redis_url, output_dir=str(tmp_path / "out"), producer={"progress": "off"},
+                  run={"deadline": "1h", "total_budget": "10k"},
+                  datasets=[{"name": "A", "path": str(tmp_path / "a.jsonl")},
+                            {"name": "B", "path": str(tmp_path / "missing.jsonl")}])
+    _one_line_error(_cli("--log-level", "WARNING", "produce", "-c", cfg), "dataset B: file not found")
+    assert conn.keys("*") == []
+    # a dataset whose state was made with other ids (the id rule is checked before anything is written)
+    conn.hset(keys.conf_key("A"), "id_field", '"id"')
+    before = {k: conn.dump(k) for k in conn.keys("*")}
+    (tmp_path / "b.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = _config(tmp_path, redis_url=redis_url, output_dir=str(tmp_path / "out"), producer={"progress": "off"},
+                  datasets=[{"name": "B", "path": str(tmp_path / "b.jsonl"), "budget": "1k"},
+                            {"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k", "id_field": None}])
+    _one_line_error(_cli("--log-level", "WARNING", "produce", "-c", cfg),
+                    "dataset A: its rows and Redis state were made with ids")
+    assert {k: conn.dump(k) for k in conn.keys("*")} == before

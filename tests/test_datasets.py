@@ -124,6 +124,27 @@ def test_bad_jsonl_rows_are_invalid_with_line_and_reason(tmp_path):
     }
 
 
+def test_a_line_cut_short_is_an_unterminated_string_in_a_whole_sentence(tmp_path):
+    """Python says "Invalid control character at" for a JSONL line cut inside a string (it meets the
+    newline): the reason is whole, names the column and the real problem."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"id": "x", "prompt": "hello wor\n{"prompt": "a\tb"}\n'
+                    '{"prompt": "ok"}\n{"prompt": "last one cut')
+    items = read(ds_cfg(path))
+    assert [p.line for p in prompts(items)] == [1, 4]
+    cut = "unterminated string: it starts at this column and never ends (is the line cut short?)"
+    assert reasons(items) == {
+        2: f"bad JSON at column 23: {cut}",
+        3: "bad JSON at column 14: a tab inside a string: JSON needs it escaped (e.g. \\t)",
+        5: f"bad JSON at column 12: {cut}",
+    }
+    # a line break inside a string that does end (on a later line): said as such
+    path = tmp_path / "d.json"
+    path.write_text('[{"prompt": "a"},\n {"prompt": "two\nlines"}]\n')
+    assert reasons(read(ds_cfg(path)))[2] == ("bad JSON in element 2 at file line 2: a line break inside a string: "
+                                              "JSON needs it escaped (write \\n) (column 16 of the element's line 1)")
+
+
 def test_bad_json_array_elements_name_the_element_and_file_line(tmp_path):
     path = tmp_path / "d.json"
     path.write_text('\n[\n {"prompt": "a"},\n {"prompt": oops},\n 7,\n {"text": "no prompt"},\n {"prompt": "b"},\n]\n')

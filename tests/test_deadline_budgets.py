@@ -94,7 +94,10 @@ def _check_deadline_run(conn, sim: str, out, weights: dict[str, float]) -> dict[
 
 
 def _log(conn) -> list[dict[str, str]]:
-    return [{k.decode(): v.decode() for k, v in e[1].items()} for e in conn.xrange(keys.CONTROL_LOG)]
+    """People's actions and the producer's automatic moves (its own log), in the order they came."""
+    entries = [*conn.xrange(keys.CONTROL_LOG), *conn.xrange(keys.CONTROL_AUTO_LOG)]
+    entries.sort(key=lambda e: tuple(int(p) for p in e[0].split(b"-")))
+    return [{k.decode(): v.decode() for k, v in e[1].items()} for e in entries]
 
 
 def test_deadline_over_three_weighted_datasets(tmp_path, redis_url, conn, sim_factory):
@@ -107,6 +110,7 @@ def test_deadline_over_three_weighted_datasets(tmp_path, redis_url, conn, sim_fa
     # every change of a limit is in the control log, with its reason; a steady fleet makes few
     moves = [e for e in _log(conn) if e["action"] == "budget_deadline"]
     assert moves and len(moves) < 50 * len(weights), len(moves)
+    assert {e["who"] for e in moves} == {"producer (deadline pacing)"}  # the producer's, not a person's
 
 
 def test_fleet_halved_mid_run_moves_the_budgets_and_still_meets_the_deadline(tmp_path, redis_url, conn,

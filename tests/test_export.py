@@ -72,7 +72,8 @@ def test_malformed_lines_are_reported_with_file_and_line_and_skipped(tmp_path):
     res = export_parquet(src, tmp_path / "B2.parquet")
     assert (res.rows, res.malformed) == (4, 4)
     assert res.reports == [
-        f"{src}:2: malformed row skipped: bad JSON at column 8: Unterminated string starting at",
+        f"{src}:2: malformed row skipped: bad JSON at column 8: unterminated string: it starts at this column and "
+        "never ends (is the line cut short?)",
         f"{src}:4: malformed row skipped: completion_tokens: Field required",
         f"{src}:5: malformed row skipped: conversations.0.content: Field required",
         f"{src}:6: malformed row skipped: row is an array, not a JSON object",

@@ -178,9 +178,36 @@ class _Rows(HTMLParser):
         self._in: tuple[str, str] | None = None
         self._row: tuple[str, str] | None = None
         self._depth = 0                    # open <div>s inside #alerts
+        self.budgets: dict[str, dict[str, str]] = {}   # dataset -> its dashed budget line's attributes
+        self.chart: dict[str, str] = {}                # the chart <svg>'s attributes
+        # table id -> the alignment of its header cells ("l"/"r"), and of each row's cells
+        self.heads: dict[str, list[str]] = {}
+        self.aligns: dict[str, list[list[str]]] = {}
+        self.cells: dict[str, list[list[str]]] = {}    # table id -> each row's cell texts (the header's: [])
+        self._table: str | None = None
+        self._cell: str | None = None
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if tag == "table":
+            self._table = a.get("id")
+        if tag in ("th", "td") and self._table:
+            heads = self.heads.setdefault(self._table, [])
+            first = (not heads) if tag == "th" else not self.aligns[self._table][-1]
+            align = "l" if first or "l" in (a.get("class") or "").split() else "r"
+            if tag == "th":
+                heads.append(align)
+            else:
+                self.aligns[self._table][-1].append(align)
+                self.cells[self._table][-1].append("")
+                self._cell = self._table
+        if tag == "tr" and self._table:
+            self.aligns.setdefault(self._table, []).append([])
+            self.cells.setdefault(self._table, []).append([])
+        if tag == "line" and a.get("data-budget"):
+            self.budgets[a["data-budget"]] = a
+        if tag == "svg" and a.get("id") == "chart":
+            self.chart = a
         if tag == "div" and a.get("id") == "alerts":
             self._in = ("alerts", "")
             self._depth = 0
@@ -210,6 +237,10 @@ class _Rows(HTMLParser):
             self.rendered = True
 
     def handle_endtag(self, tag):
+        if tag == "table":
+            self._table = None
+        if tag == "td":
+            self._cell = None
         if tag == "td" and self._in and self._in[0] in ("state", "faults", "stop", "unread"):
             self._in = None
         if tag == "div" and self._in and self._in[0] == "alerts":
@@ -218,6 +249,8 @@ class _Rows(HTMLParser):
             self._depth -= 1
 
     def handle_data(self, data):
+        if self._cell:
+            self.cells[self._cell][-1][-1] += data
         if not self._in:
             return
         kind, key = self._in
@@ -266,6 +299,42 @@ def test_page_shows_the_hold_the_diagnosis_and_the_faults_in_headless_chromium(r
     assert dom.faults["http://sg:30000"] == "HTTP 500 text/html x4"
 
 
+def _aligned(dom: _Rows) -> None:
+    """Every rendered cell sits as its column's header does (left or right)."""
+    for table, head in dom.heads.items():
+        for row in dom.aligns.get(table, []):
+            if len(row) > 1:  # the header row has no <td>; a one-cell row is the "none" placeholder
+                assert row == head, (table, head, row)
+
+
+def test_page_keeps_people_apart_formats_values_and_keeps_the_budget_in_view_in_headless_chromium(redis_url, conn):
+    from budgetq.shared.control import log_action
+
+    browser = _chromium()
+    _seed(conn)   # B2: 100 tokens used of 10k, just registered
+    log_action(conn, "budget_set", "B2", 282204, 300_000)
+    for i in range(20):
+        log_action(conn, "budget_deadline", "B2", 9_000 + i, 9_500 + i, actor="producer (deadline pacing)")
+    mon = MonitorThread(Config(redis_url=redis_url), port=0)
+    port = mon.start()
+    try:
+        dom = _Rows()
+        dom.feed(_dump_dom(browser, f"http://127.0.0.1:{port}/"))
+    finally:
+        mon.stop()
+    assert dom.rendered, "the page's script did not render a snapshot"
+    (person,) = [r for r in dom.cells["control"] if r]
+    assert person[2:] == ["budget_set", "B2", "282.20k", "300.00k"] and "@" in person[1], person
+    auto = [r for r in dom.cells["control-auto"] if r]
+    assert len(auto) == 5 and {r[1] for r in auto} == {"producer (deadline pacing)"}, auto
+    assert auto[0][4:] == ["9.02k", "9.52k"], auto
+    _aligned(dom)
+    # a budget 100x what is used: still in view, as a stub at the top edge (the legend says so)
+    assert dom.budgets["B2"]["data-offscale"] == "1" and float(dom.budgets["B2"]["y1"]) <= 8, dom.budgets
+    # a run that just started: the chart spans it, not the 10-minute window
+    assert 20 <= int(dom.chart["data-span-s"]) <= 60, dom.chart
+
+
 def test_page_renders_a_live_run_in_headless_chromium(tmp_path, redis_url, conn, sim_factory):
     browser = _chromium()
     sim = sim_factory("--speedup", "200", "--seed", "2", "--length-mean", "150")
@@ -301,3 +370,9 @@ def test_page_renders_a_live_run_in_headless_chromium(tmp_path, redis_url, conn,
     assert {n: dom.cells[(n, "stop")] for n in ("A1", "B2", "C1")} == {
         "A1": "budget reached", "B2": "budget reached", "C1": "out of prompts"}
     assert dom.cells[("C1", "unread")] == "0" and int(dom.cells[("A1", "unread")]) > 0
+    # the chart spans the run (seconds), not the 10-minute window; every budget is in view
+    assert int(dom.chart["data-span-s"]) < 300, dom.chart
+    assert set(dom.budgets) == {"A1", "B2", "C1"}
+    assert all(0 <= float(b["y1"]) <= 240 for b in dom.budgets.values()), dom.budgets
+    assert dom.budgets["A1"]["data-offscale"] == "0"  # used reached it: on the scale
+    _aligned(dom)

@@ -42,9 +42,12 @@ def test_log_lines_when_not_a_terminal_throttled_to_the_interval(redis_url, conn
     with caplog.at_level(logging.INFO, logger="budgetq.progress"):
         rep.update()
         rep.update()  # within progress_interval_s: nothing new
-        rep.close()   # the final numbers, always
+        run_script(conn, budget.reserve("A1", "A1-y", 100))
+        run_script(conn, budget.commit("A1", "A1-y", 0, 50, "stop", "{}"))
+        rep.close()   # the final numbers, once: B2's did not move since its last line
     lines = [r for r in caplog.records if r.name == "budgetq.progress"]
-    assert [r.dataset for r in lines] == ["A1", "B2", "A1", "B2"]
+    assert [r.dataset for r in lines] == ["A1", "B2", "A1"]
+    assert lines[2].getMessage().startswith("progress A1 30.00% (300 / 1.00k tokens")
     a1 = lines[0]
     assert a1.getMessage().startswith("progress A1 25.00% (250 / 1.00k tokens")
     assert (a1.used, a1.budget, a1.committed, a1.in_flight) == (250, 1000, 1, 0)

@@ -222,6 +222,26 @@ def test_both_apis_send_the_same_explicit_sampling():
     assert chat["seed"] == params["sampling_seed"] == 7 and chat["stop"] == params["stop"] == ["</s>"]
 
 
+def test_the_sampling_line_at_info_is_short_and_says_where_each_value_came_from(tmp_path, caplog):
+    """It was ~330 characters a dataset on every start (every field with SGLang's neutral value)."""
+    from budgetq.shared.sampling import sampling_summary
+
+    sp, origin = resolve(SamplingParams(temperature=0.2), {"top_p": 0.95}, "m/generation_config.json")
+    assert sampling_summary(sp, origin) == ("temperature=0.2 (config); top_p=0.95 (m/generation_config.json); "
+                                            "server defaults: top_k, min_p, repetition_penalty")
+    sp, origin = resolve(SamplingParams(), {}, "")
+    assert sampling_summary(sp, origin) == "the server's defaults (none set by the config or the model)"
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(json.dumps({"datasets": [{"name": "A", "path": "a.jsonl", "budget": "1M"}]}))
+    cfg = load_config(cfg_path)
+    with caplog.at_level("DEBUG", logger="budgetq.sampling"):
+        resolve_datasets(cfg.datasets, None)
+    (info,) = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    (debug,) = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    assert info == "dataset A: sampling: the server's defaults (none set by the config or the model)"
+    assert len(debug) > 200 and "SGLang's is 1.0" in debug   # the long form, for whoever asks
+
+
 def test_unset_sampling_comes_from_the_models_generation_config_in_both_modes(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "do_sample": True, "eos_token_id": 2}))

@@ -123,7 +123,8 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
     snap = json.loads(out.stdout)
     assert [d["dataset"] for d in snap["datasets"]] == ["A1", "B2"] and len(snap["datasets"][0]["history"]) == 12
     assert set(snap) == {"schema", "generated_at", "redis", "redis_tls", "history_s", "totals", "datasets",
-                         "workers", "endpoints", "server_faults", "diagnosis", "stall", "control", "plan"}
+                         "workers", "endpoints", "server_faults", "diagnosis", "stall", "control", "control_auto",
+                         "plan"}
     assert snap["plan"] is None  # neither a deadline nor a total
 
     text = _cli("status", "--redis-url", redis_url)
@@ -143,6 +144,35 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
     bad = _cli("status", "--redis-url", f"redis://:hunter2pw@127.0.0.1:{free_port()}/0")
     assert bad.returncode == 2 and "cannot reach Redis at 127.0.0.1:" in bad.stderr
     assert "hunter2pw" not in bad.stderr
+
+
+def test_automatic_budget_moves_are_the_producers_apart_from_people_and_formatted(conn, redis_url):
+    """A deadline's pace steps are the producer's (not a person's user@host), in their own list, so
+    they never push a person's action off `status` or the monitor; token values read as budgets do."""
+    from budgetq.shared.control import log_action
+
+    log_action(conn, "budget_set", "A1", 282204, 300_000)  # a person's
+    # an earlier version logged pace steps with people's actions, as the producer's user
+    conn.xadd(keys.CONTROL_LOG, {"ts": time.time(), "who": "old@producer", "action": "budget_deadline",
+                                 "dataset": "A1", "old": "1", "new": "2"})
+    for i in range(40):
+        log_action(conn, "budget_deadline", "A1", 282_204 + 1000 * i, 283_204 + 1000 * i,
+                   actor="producer (deadline pacing)")
+    assert conn.xlen(keys.CONTROL_AUTO_LOG) == 40
+    snap = snapshot(conn, redis_url)
+    (person,) = snap["control"]
+    assert (person["action"], person["old"], person["new"]) == ("budget_set", "282204", "300000")
+    assert "@" in person["who"]
+    assert [c["new"] for c in snap["control_auto"]] == [str(283_204 + 1000 * i) for i in range(39, 34, -1)]
+    assert {c["who"] for c in snap["control_auto"]} == {"producer (deadline pacing)"}
+    out = _cli("status", "--redis-url", redis_url)
+    assert out.returncode == 0, out.stderr
+    people = out.stdout.index("recent operator actions")
+    auto = out.stdout.index("automatic budget moves")
+    assert people < auto, out.stdout
+    assert "282.20k" in out.stdout[people:auto] and "300.00k" in out.stdout[people:auto], out.stdout
+    assert "producer (deadline pacing)" in out.stdout[auto:] and "321.20k" in out.stdout[auto:], out.stdout
+    assert "282204" not in out.stdout and "old@producer" not in out.stdout
 
 
 def test_status_json_against_a_live_run(tmp_path, redis_url, conn, sim_factory):

@@ -40,6 +40,9 @@ def with_config(sp: argparse.ArgumentParser, servers: bool = True) -> argparse.A
     return sp
 
 
+# A bad value given by flag is named by the flag (`--deadline 40: ...`), not blamed on the config file.
+FLAG_FIELDS = {("redis_url",): "--redis-url", ("server", "urls"): "--server-url", ("output_dir",): "--output-dir",
+               ("run", "deadline"): "--deadline", ("run", "total_budget"): "--total-budget"}
 OUTPUT_DIR_HELP = "the results' directory: <dataset>.jsonl and the rest (overrides output_dir and BUDGETQ_OUTPUT_DIR)"
 
 
@@ -69,7 +72,7 @@ def load(args: argparse.Namespace) -> Config:
             overrides[field] = getattr(args, flag)
     from budgetq.shared.logs import register_config_secrets
 
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, overrides, flags=FLAG_FIELDS)
     register_config_secrets(cfg)  # never log the API key or passwords, wherever they came from
     args.loaded_redis_url = cfg.redis_url  # for main()'s one-line Redis errors (host named, never the password)
     chosen_redis = getattr(args, "redis_url", None) or os.environ.get("BUDGETQ_REDIS_URL")

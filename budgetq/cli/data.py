@@ -65,7 +65,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     cfg = load(args)
     discover_context(cfg, args.timeout_s)   # what produce would check prompts against
     report = run_check(cfg, lambda url: asyncio.run(probe_server(cfg.server, url, args.timeout_s)),
-                       tok_s=args.tok_s, timeout_s=args.timeout_s)
+                       tok_s=args.tok_s, timeout_s=args.timeout_s, strict=args.strict)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.ok else 1
 
@@ -82,7 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--output-dir", help="where the results JSONL files are (overrides output_dir)")
     sp.set_defaults(func=cmd_export)
     sp = with_config(sub.add_parser("check", help="read every dataset, ask Redis and the servers, estimate the run; "
-                                                  "writes nothing (exit 0 only if every dataset can run)"))
+                                                  "writes nothing (exit 0 only if every dataset can run; 1 if not)"))
+    sp.add_argument("--strict", action="store_true",
+                    help="also exit 1 if a dataset has invalid rows (bad JSON, missing prompt, repeated id, ...; "
+                         "filtered rows do not count): for CI and scripts that must not run on bad data")
     sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP + "; checked for room as produce would find it")
     sp.add_argument("--tok-s", type=_positive, help="generation rate of all servers together, for time estimates")
     sp.add_argument("--timeout-s", type=_positive, default=3.0, help="for Redis and each server (default 3)")

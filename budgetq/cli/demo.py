@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -53,7 +55,23 @@ def write_demo_config(out: Path, redis_url: str, server_url: str) -> Path:
     return cfg_path
 
 
-def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64,
+def _stop_quietly(procs: list[subprocess.Popen], logs: list[Path]) -> None:
+    """SIGTERM the workers (each finishes in a moment: nothing is left to run) and wait; a worker
+    that ended badly has its log's tail said, the others stay quiet (their stop lines are in their log)."""
+    for p in procs:
+        p.terminate()
+    for p, log in zip(procs, logs, strict=False):
+        try:
+            rc = p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = p.wait()
+        if rc not in (0, -signal.SIGTERM):
+            tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else []
+            print(f"worker exited with status {rc}; the end of {log}:", *tail, sep="\n", file=sys.stderr)
+
+
+def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 32,
              log_level: str = "INFO", log_format: str = "text") -> int:
     local = None if redis_url else LocalRedis()
     url = redis_url or local.url  # type: ignore[union-attr]
@@ -69,23 +87,25 @@ def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 64,
     env["PYTHONUNBUFFERED"] = "1"
     sim: LocalSim | None = None
     procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
     try:
         sim = LocalSim(*sim_flags, cli=py, env=env)
         out = Path(tempfile.mkdtemp(prefix="budgetq-demo-out-"))
         cfg_path = write_demo_config(out, url, sim.url)
-        procs += [subprocess.Popen([*py, "worker", "-c", str(cfg_path), "--concurrency", str(concurrency)], env=env)
-                  for _ in range(workers)]
+        # The workers log to files: their lines (and the stop each says at SIGTERM) would otherwise
+        # land in the middle of the producer's progress and after its summary.
+        for i in range(1, workers + 1):
+            logs.append(out / f"worker-{i}.log")
+            with open(logs[-1], "w") as log:  # the child keeps its own copy of the descriptor
+                procs.append(subprocess.Popen([*py, "worker", "-c", str(cfg_path), "--concurrency", str(concurrency)],
+                                              env=env, stdout=log, stderr=subprocess.STDOUT))
         rc = subprocess.call([*py, "produce", "-c", str(cfg_path)], env=env)
-        print(f"outputs in {out}")
+        _stop_quietly(procs, logs)
+        procs = []
+        print(f"outputs in {out} (the workers' logs: {', '.join(p.name for p in logs)})")
         return rc
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop_quietly(procs, logs)
         if sim is not None:
             sim.stop()
         if local is not None:

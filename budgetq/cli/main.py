@@ -240,7 +240,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--monitor", action="store_true", help="also serve the web monitor (see monitor: in the config)")
     sp.add_argument("--json", action="store_true",
                     help="print the summary as one JSON object (docs/cli.md \"Exit codes and the summary\")")
-    cli_plan.run_flags(sp, "over the config's; a restart with the same 12h keeps the time it was first fixed to")
+    cli_plan.run_flags(sp, "over the config's",
+                       deadline_note="; a restart with the same 12h keeps the time it was first fixed to",
+                       total_note="; a restart with the same value keeps what `budgetq budget total` set live since")
     sp.set_defaults(func=cmd_produce)
     sp = with_config(sub.add_parser("worker", help="run a concurrent worker"))
     sp.add_argument("--concurrency", type=concurrency_arg,
@@ -256,7 +258,8 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("demo", help="the whole pipeline on one machine with bundled data")
     sp.add_argument("--redis-url")
     sp.add_argument("--workers", type=positive_int, default=2)
-    sp.add_argument("--concurrency", type=positive_int, default=64)
+    sp.add_argument("--concurrency", type=positive_int, default=32,
+                    help="requests in flight per worker (default 32: sized with the demo's budgets, see demo.yaml)")
     sp.set_defaults(func=cmd_demo)
 
 

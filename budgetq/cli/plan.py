@@ -96,28 +96,60 @@ def cmd_weight(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    from budgetq.shared import run_plan
+def _budgets(conn, s, state: dict) -> list[dict]:
+    """Per registered dataset: its budget (the limit workers obey, the split's when a deadline or a
+    total is set), used, mode, count, paused or held, weight, and the projected finish."""
+    from budgetq.shared.budget import dataset_state
+    from budgetq.shared.redis_conn import dataset_names
+
+    out = []
+    for name in dataset_names(conn):
+        st = dataset_state(conn, name)
+        fin = (state.get("datasets") or {}).get(name, {}).get("projected_finish")
+        out.append({"dataset": name, "budget": st.limit, "used": st.used, "mode": st.mode, "count": st.count,
+                    "paused": st.operator_paused, "held": bool(st.hold), "exhausted": st.exhausted,
+                    "weight": s.weight(name), "finish_in_s": None if fin is None else max(0.0, fin - state["at"])})
+    return out
+
+
+def _budgets_table(rows: list[dict], managed: bool) -> list[str]:
+    """One line per dataset; weight and projected finish only with a deadline or a total."""
     from budgetq.shared.status import format_duration
+
+    cols = ("dataset", "budget", "used", "used %", "mode", "count", "state", "weight", "finish in")
+    table: list[tuple[str, ...]] = [cols if managed else cols[:7]]
+    for r in rows:
+        state = "held" if r["held"] else "paused" if r["paused"] else "reached" if r["exhausted"] else "open"
+        pct = f"{100 * r['used'] / r['budget']:.1f}%" if r["budget"] else "-"
+        row = (r["dataset"], format_tokens(r["budget"]), format_tokens(r["used"]), pct, r["mode"], r["count"], state,
+               f"{r['weight']:g}", format_duration(r["finish_in_s"]))
+        table.append(row if managed else row[:7])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    right = {1, 2, 3, 7}
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                      for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip() for row in table]
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """The run-wide settings, then every registered dataset's budget (docs/budget.md "Live")."""
+    from budgetq.shared import run_plan
 
     _cfg, conn = _conn(args)
     s = run_plan.read_settings(conn)
     state = run_plan.read_state(conn) or {}
+    rows = _budgets(conn, s, state if s.managed else {})  # a plan's state outlives the run that wrote it
     if args.json:
         print(json.dumps({"deadline": s.deadline, "total_budget": s.total_budget, "weights": s.weights,
-                          "state": state}, indent=2))
+                          "state": state, "datasets": rows}, indent=2))
         return 0
     print(f"deadline {run_plan.format_when(s.deadline)}; total budget "
-          f"{format_tokens(s.total_budget) if s.total_budget is not None else 'none'}")
-    if state:
+          f"{format_tokens(s.total_budget) if s.total_budget is not None else 'none'}"
+          + ("" if s.managed else "; per-dataset budgets"))
+    if state and s.managed:
         rate = f"{state['tok_s']:,.0f} tok/s" if state.get("tok_s") else "not measured yet"
         print(f"phase {state.get('phase')}; fleet {rate}; last responses take {state.get('tail_s', 0):.1f} s "
               f"(p{100 * state.get('tail_quantile', 0):.0f})")
-        for name, d in sorted(state.get("datasets", {}).items()):
-            fin = d.get("projected_finish")
-            eta = "-" if fin is None else format_duration(max(0.0, fin - state["at"]))
-            print(f"  {name}: weight {d['weight']:g}, budget {format_tokens(d['limit'])}, used "
-                  f"{format_tokens(d['used'])}, finish in {eta}")
+    print("\n".join(_budgets_table(rows, s.managed)) if rows else "no dataset registered in this Redis")
     return 0
 
 
@@ -156,10 +188,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=cmd_plan)
 
 
-def run_flags(sp: argparse.ArgumentParser, whose: str) -> None:
-    """--deadline and --total-budget: the config's run.deadline and run.total_budget, by the same names."""
-    sp.add_argument("--deadline", help=f"run.deadline: 12h, 90m or an ISO time ({whose})")
-    sp.add_argument("--total-budget", help=f"run.total_budget: tokens over all datasets, e.g. 50M ({whose})")
+def run_flags(sp: argparse.ArgumentParser, whose: str, deadline_note: str = "", total_note: str = "") -> None:
+    """--deadline and --total-budget: the config's run.deadline and run.total_budget, by the same names;
+    each note says what that flag alone does over a restart."""
+    sp.add_argument("--deadline", help=f"run.deadline: 12h, 90m or an ISO time ({whose}{deadline_note})")
+    sp.add_argument("--total-budget", help=f"run.total_budget: tokens over all datasets, split by weight, e.g. 50M "
+                                           f"({whose}{total_note})")
 
 
 def register_budget(bp: argparse._SubParsersAction) -> None:
@@ -174,6 +208,7 @@ def register_budget(bp: argparse._SubParsersAction) -> None:
     sp.add_argument("dataset")
     sp.add_argument("weight")
     sp.set_defaults(func=cmd_weight)
-    sp = with_config(bp.add_parser("show", help="the deadline, total, weights and what the producer measures"))
+    sp = with_config(bp.add_parser("show", help="the deadline and total, then every dataset's budget, used, mode, "
+                                                "state and weight (and what the producer measures)"))
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_show)

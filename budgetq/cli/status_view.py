@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -9,6 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from budgetq.shared.control import TOKEN_ACTIONS
 from budgetq.shared.status import format_duration, format_eta
 from budgetq.shared.tokens import format_tokens
 
@@ -97,11 +99,12 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="budgetq summary", caption=RUNNING_VS_IN_FLIGHT if "running" in optional else None,
                   caption_justify="left")
     unbalanced = any(r["unaccounted"] for r in rows)  # 0 or None (state older than the ledger): hidden
-    # Where every row of the file is: the ledger's states, then rows never enqueued (invalid, with
-    # the duplicate ids among them, filtered, unread); they add up to "file rows". Then what
-    # happened on the way (aborted requests went back to the queue: an event count, not a state).
+    # Where every row of the file is: the ledger's states, then rows never enqueued (invalid, counting
+    # repeated ids too as check does: producer/reading/tally.py; filtered; unread); they add up to
+    # "file rows". Then what happened on the way (aborted requests went back to the queue: an event count, not a state).
     cols = ["dataset", "budget", "used", "used/budget", "rows", *optional, "skipped", "failed", "queued",
-            "unread", "invalid", "duplicate ids", "filtered", "file rows", *(["unaccounted"] if unbalanced else []),
+            "unread", "invalid", "of them duplicate ids", "filtered", "file rows",
+            *(["unaccounted"] if unbalanced else []),
             "aborted (requeued)", "wasted", "stop"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("dataset", "stop") else "right")
@@ -167,13 +170,26 @@ def endpoints_table(snap: dict[str, Any]) -> Table:
     return t
 
 
-def control_table(snap: dict[str, Any]) -> Table:
-    t = Table(title="recent operator actions", title_justify="left")
+def control_value(action: str | None, value: str | None) -> str:
+    """An old or new value of the control log as budgets are shown everywhere: ``282.20k``, not
+    ``282204`` (a suffix such as `` (config)`` is kept)."""
+    if not value:
+        return "-"
+    if action in TOKEN_ACTIONS and (m := re.fullmatch(r"(-?\d+)(.*)", value, re.S)):
+        return format_tokens(int(m[1])) + m[2]
+    return value
+
+
+def control_table(snap: dict[str, Any], auto: bool = False) -> Table:
+    """People's actions; ``auto``: the producer's automatic budget moves, apart (a run's pace
+    steps never push a person's action off the screen)."""
+    title = "automatic budget moves (the producer's)" if auto else "recent operator actions"
+    t = Table(title=title, title_justify="left")
     for col in ("time", "who", "action", "dataset", "old", "new"):
-        t.add_column(col, no_wrap=True)
-    for c in snap["control"]:
-        t.add_row(_clock(c["ts"]), c["who"] or "-", c["action"] or "-", c["dataset"] or "-", c["old"] or "-",
-                  c["new"] or "-")
+        t.add_column(col, no_wrap=True, justify="right" if col in ("old", "new") else "left")
+    for c in snap["control_auto" if auto else "control"]:
+        t.add_row(_clock(c["ts"]), c["who"] or "-", c["action"] or "-", c["dataset"] or "-",
+                  control_value(c["action"], c["old"]), control_value(c["action"], c["new"]))
     return t
 
 
@@ -198,4 +214,6 @@ def render(snap: dict[str, Any]) -> RenderableType:
         parts.insert(1, plan_text(snap["plan"], snap["generated_at"]))
     if snap["control"]:
         parts.append(control_table(snap))
+    if snap.get("control_auto"):
+        parts.append(control_table(snap, auto=True))
     return Group(*parts)

@@ -1,9 +1,10 @@
 """``budgetq check``: what a run would do, without starting it (and without writing to Redis).
 
 Reads every dataset with the producer's own reader (``read_prompts``: same mapping, filters,
-tokenizer and limits as a run), streaming, and counts valid, invalid (by reason), filtered
-and duplicate-id prompts (the reader's rule: the first row with an id wins), prompt lengths,
-and what the budget buys at ``prior_mean_tokens``.
+tokenizer and limits as a run), streaming, and counts valid, invalid (by reason) and filtered
+rows as the producer's summary does (producer/reading/tally.py: a repeated id is an invalid
+row, the first row with an id wins), prompt lengths, and what the budget buys at
+``prior_mean_tokens``.
 It then asks Redis (reads only: a read-only ACL user is enough) how far a previous run got,
 and each server what it serves. The server probe is passed in (``probe``): the one SGLang
 HTTP client lives on the worker side, which the producer never imports.
@@ -15,13 +16,14 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis
 
 from budgetq.producer.reading.mapping import prompt_chars
-from budgetq.producer.reading.reader import Filtered, Invalid, Prompt, read_prompts
+from budgetq.producer.reading.reader import DUPLICATE, Invalid, Prompt, read_prompts
+from budgetq.producer.reading.tally import RowTally
 from budgetq.producer.run import disk_guard
 from budgetq.producer.run.disk_guard import MB
 from budgetq.shared import keys
@@ -79,6 +81,8 @@ class DatasetCheck:
     mode: str
     count: str
     prior_mean_tokens: int
+    # producer/reading/tally.py's counts: valid (unique ids), invalid (duplicates included),
+    # duplicates (of the invalid rows), filtered
     valid: int = 0
     duplicates: int = 0
     invalid: int = 0
@@ -99,7 +103,7 @@ class DatasetCheck:
     done: int | None = None
     error: str | None = None
     # Derived by finish():
-    unique: int = 0
+    unique: int = 0   # = valid (kept for readers of --json from before valid meant unique ids)
     responses_needed: int = 0
     runs_out: bool = False
     expected_tokens: int = 0
@@ -113,7 +117,7 @@ class DatasetCheck:
 
     def finish(self, tok_s: float | None) -> None:
         """What the budget buys at prior_mean_tokens, whether the prompts last, and how long it takes."""
-        self.unique = self.valid - self.duplicates
+        self.unique = self.valid
         left = max(0, self.budget - (self.used or 0))
         # regenerate: all: a row is a conversation of several requests (prompt tokens are already
         # summed over them)
@@ -147,11 +151,11 @@ def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
     if ds.regenerate == "all":
         out.requests = Stats()
     started = time.perf_counter()
+    tally = RowTally()
     try:
-        items = read_prompts(ds, cfg.server)
-        for item in items:
+        for item in read_prompts(ds, cfg.server):
+            tally.add(item)
             if isinstance(item, Prompt):
-                out.valid += 1
                 out.prompt_chars.add(prompt_chars(item.messages + (item.turns or [])))
                 if out.requests is not None:
                     out.requests.add(1 + len(item.turns or []))
@@ -159,25 +163,20 @@ def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
                     if out.prompt_tokens is None:
                         out.prompt_tokens = Stats()
                     out.prompt_tokens.add(item.prompt_tokens)
-            elif isinstance(item, Invalid) and item.duplicate:
-                # the reader's own rule (first occurrence wins): a valid row whose id came before
-                out.valid += 1
-                out.duplicates += 1
             elif isinstance(item, Invalid):
-                out.invalid += 1
-                key = reason_key(item.reason)
+                # every repeated id is one reason ("duplicate id"), whatever the id
+                key = DUPLICATE if item.duplicate else reason_key(item.reason)
                 out.invalid_by_reason[key] = out.invalid_by_reason.get(key, 0) + 1
                 if key not in out.first_at:
                     out.first_at[key] = item.line
                     out.first_reason[key] = _ROW_PREFIX.sub("", item.reason)
                     # the reader names the row in the reason of every format but JSONL (lines)
                     out.position = "row" if _ROW_PREFIX.match(item.reason) else out.position
-            elif isinstance(item, Filtered):
-                out.filtered += 1
     except (BudgetqError, OSError, ValueError) as exc:
         # A missing file, an unreadable tokenizer, a broken Parquet file: this dataset cannot
         # run, the others are still checked.
         out.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, BudgetqError) else str(exc)
+    out.valid, out.invalid, out.duplicates, out.filtered = tally.valid, tally.invalid, tally.duplicates, tally.filtered
     out.read_s = time.perf_counter() - started
     return out
 
@@ -273,11 +272,17 @@ class CheckReport:
     servers: list[ServerCheck]
     tok_s: float | None
     output: OutputCheck | None = None
+    strict: bool = False   # `check --strict`: a dataset with invalid rows fails the check too
+
+    @property
+    def with_invalid(self) -> list[DatasetCheck]:
+        """The datasets that fail --strict: invalid rows (repeated ids included; filtered ones are not errors)."""
+        return [d for d in self.datasets if d.invalid] if self.strict else []
 
     @property
     def ok(self) -> bool:
         return all(d.ok for d in self.datasets) and self.redis.ok and all(s.ok for s in self.servers) \
-            and bool(self.datasets) and (self.output is None or self.output.ok)
+            and bool(self.datasets) and (self.output is None or self.output.ok) and not self.with_invalid
 
     @property
     def est_s(self) -> float | None:
@@ -285,19 +290,20 @@ class CheckReport:
         return sum(d.expected_tokens for d in self.datasets) / self.tok_s if self.tok_s else None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "tok_s": self.tok_s, "est_s": self.est_s,
+        return {"ok": self.ok, "strict": self.strict, "tok_s": self.tok_s, "est_s": self.est_s,
                 "datasets": [d.as_dict() for d in self.datasets], "redis": asdict(self.redis),
                 "servers": [asdict(s) for s in self.servers],
                 "output": asdict(self.output) if self.output is not None else None}
 
 
-def run_check(cfg: Config, probe: Probe, tok_s: float | None = None, timeout_s: float = 3.0) -> CheckReport:
+def run_check(cfg: Config, probe: Probe, tok_s: float | None = None, timeout_s: float = 3.0,
+              strict: bool = False) -> CheckReport:
     datasets = [check_dataset(ds, cfg) for ds in cfg.datasets]
     rc = check_redis(cfg, datasets, timeout_s)
     for d in datasets:
         d.finish(tok_s)
     servers = [check_server(cfg, url, probe) for url in cfg.server.urls]
-    return CheckReport(datasets, rc, servers, tok_s, check_output(cfg, datasets))
+    return CheckReport(datasets, rc, servers, tok_s, check_output(cfg, datasets), strict)
 
 
 def _duration(seconds: float) -> str:
@@ -321,8 +327,8 @@ def format_report(r: CheckReport) -> str:
         if d.error:
             lines.append(f"  error: {d.error}")
             continue
-        lines.append(f"  prompts: {d.valid:,} valid ({d.unique:,} unique ids, {d.duplicates:,} duplicate), "
-                     f"{d.invalid:,} invalid, {d.filtered:,} filtered; read in {d.read_s:.1f} s")
+        tally = RowTally(d.valid, d.invalid, d.duplicates, d.filtered)
+        lines.append(f"  prompts: {tally.describe()}; read in {d.read_s:.1f} s")
         for key, n in sorted(d.invalid_by_reason.items(), key=lambda kv: -kv[1]):
             lines.append(f"    invalid: {n:,} x {d.first_reason[key]} (first at {d.position} {d.first_at[key]})")
         tokens = _stats(d.prompt_tokens) if d.prompt_tokens else "not counted (no server.tokenizer)"
@@ -355,5 +361,11 @@ def format_report(r: CheckReport) -> str:
         lines.append(f"all datasets: ~{_duration(r.est_s)} at {r.tok_s:,.0f} tok/s")
     if not r.datasets:
         lines.append("no datasets in the config")
-    lines.append("check: " + ("every dataset can run" if r.ok else "FAILED (see above)"))
+    if r.ok:
+        lines.append("check: every dataset can run")
+    else:
+        why = [] if replace(r, strict=False).ok else ["see above"]
+        if r.with_invalid:
+            why.append("--strict: invalid rows in " + ", ".join(f"{d.name} ({d.invalid:,})" for d in r.with_invalid))
+        lines.append(f"check: FAILED ({'; '.join(why)})")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from budgetq.producer.reading.conversations import specforge_problem
-from budgetq.shared.json_kind import kind
+from budgetq.shared.json_kind import json_problem, kind
 from budgetq.shared.schema import Message, ResultRow
 
 log = logging.getLogger("budgetq.export")
@@ -78,7 +78,7 @@ def _row(raw: bytes) -> ResultRow:
     except UnicodeDecodeError as exc:
         raise ValueError(f"not valid UTF-8 (byte {exc.start + 1})") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"bad JSON at column {exc.colno}: {exc.msg}") from None
+        raise ValueError(f"bad JSON at column {exc.colno}: {json_problem(exc)}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"row is {kind(obj)}, not a JSON object")
     # Rows written before reasoning moved onto the assistant message had it at the top level.

@@ -117,7 +117,7 @@ def make_plan(cfg: Config, tok_s: float | None = None, timeout_s: float = 3.0, n
         done = view["done"].get(ds.name, 0)
         committed, sum_tokens = view["stats"].get(ds.name, (0, 0))
         mean = sum_tokens / committed if committed >= 20 else float(ds.prior_mean)
-        available = max(0, chk.valid - chk.duplicates - done)
+        available = max(0, chk.valid - done)  # valid: unique ids (producer/reading/tally.py)
         can = used + int(available * mean)
         cap = can if ds.budget is None else min(ds.budget, can)
         claims.append(Claim(ds.name, settings.weight(ds.name), floor=used, cap=cap))

@@ -29,7 +29,7 @@ from budgetq.producer.reading import arrow_sources  # imports pyarrow (and datas
 from budgetq.producer.reading.source_rows import CHUNK, HF_PREFIX, SourceError, SourceItem, SourceRow, permutation
 from budgetq.shared.config import DatasetConfig
 from budgetq.shared.errors import ConfigError
-from budgetq.shared.json_kind import kind
+from budgetq.shared.json_kind import json_problem, kind
 
 if TYPE_CHECKING:
     import numpy as np
@@ -96,9 +96,9 @@ def _parse_object(raw: bytes, line_no: int) -> SourceItem | None:
     if not text.strip():
         return None
     try:
-        row = json.loads(text)
+        row = json.loads(text.rstrip("\r\n"))  # a line cut short then reads as the unterminated string it is
     except json.JSONDecodeError as exc:
-        return SourceError(line_no, f"bad JSON at column {exc.colno}: {exc.msg}")
+        return SourceError(line_no, f"bad JSON at column {exc.colno}: {json_problem(exc)}")
     if not isinstance(row, dict):
         return SourceError(line_no, f"row is {kind(row)}, not a JSON object")
     return SourceRow(line_no, row)
@@ -227,8 +227,8 @@ def _read_span(fh: Any, span: _Span, index: int) -> SourceItem:
     except UnicodeDecodeError as exc:
         return SourceError(index, f"element {index} (file line {line}) is not valid UTF-8 (byte {exc.start + 1})")
     except json.JSONDecodeError as exc:
-        return SourceError(index, f"bad JSON in element {index} at file line {line + exc.lineno - 1}: {exc.msg} "
-                                  f"(column {exc.colno} of the element's line {exc.lineno})")
+        return SourceError(index, f"bad JSON in element {index} at file line {line + exc.lineno - 1}: "
+                                  f"{json_problem(exc)} (column {exc.colno} of the element's line {exc.lineno})")
     if not isinstance(row, dict):
         return SourceError(index, f"element {index} is {kind(row)}, not a JSON object")
     return SourceRow(index, row)

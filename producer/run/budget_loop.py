@@ -4,7 +4,8 @@ Every ``run.control_interval_s`` (and whenever a dataset's reading ends or it co
 the settings (shared/run_plan.py: live changes from another shell included), measures the
 fleet's counted tok/s and the response times of the rows written, and writes each dataset's
 effective budget as its Redis ``limit``: the ledger workers already obey, so they need nothing
-new. Each change is logged in the control log as ``budget_total`` or ``budget_deadline``.
+new. Each change is logged as ``budget_total`` or ``budget_deadline`` in the automatic moves' log
+(keys.CONTROL_AUTO_LOG, by ``producer (deadline pacing)``), apart from people's actions.
 
 With a deadline the budgets are also *paced* (``_paced``): each dataset is held near its share
 of the progress so far, so all reach their shares together at the end and a projection that
@@ -48,6 +49,8 @@ UNMEASURED = 10**15
 SEED_BYTES = 1 << 20   # a restarted producer reads the last MiB of each output file for response times
 # How far ahead of its share of the progress a paced dataset may run (a fraction of the progress).
 PACE_SLACK = 0.05
+# Who the control log names for this loop's moves (shared/control.py: apart from people's actions).
+_ACTORS = {"deadline": "producer (deadline pacing)", "total": "producer (total split)"}
 
 
 class _RowTail:
@@ -299,7 +302,7 @@ class BudgetLoop:
             if new == old or not _changed_enough(old, new, st):
                 continue
             self.conn.hset(keys.conf_key(n), Conf.LIMIT, new)
-            log_action(self.conn, f"budget_{reason}", n, old, new)
+            log_action(self.conn, f"budget_{reason}", n, old, new, actor=_ACTORS[reason])
             if new > old:
                 raised.add(n)
         return raised
@@ -311,7 +314,8 @@ class BudgetLoop:
         running = {n: st.in_flight for n, (st, _q) in states.items() if st.in_flight}
         for n in running:
             aborted = run_script(self.conn, budget.withdraw(n))
-            log_action(self.conn, "abort", n, new=f"{aborted} requests in flight at the deadline")
+            log_action(self.conn, "abort", n, new=f"{aborted} requests in flight at the deadline",
+                       actor="producer (deadline passed)")
         if running:
             log.warning("deadline %s passed: aborted %s requests still running; their prompts are not done and "
                         "a later run sends them again", run_plan.format_when(deadline),

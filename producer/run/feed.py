@@ -10,6 +10,7 @@ from pathlib import Path
 from rq import Queue
 
 from budgetq.producer.reading.reader import Filtered, Invalid, Prompt
+from budgetq.producer.reading.tally import RowTally
 from budgetq.shared.config import DatasetConfig
 
 
@@ -22,9 +23,9 @@ class Feed:
     pending: list[Prompt] = field(default_factory=list)  # read, not yet enqueued (kept over a Redis outage)
     read: int = 0            # rows of the file read this run (every item the reader yielded)
     enqueued: int = 0
-    invalid: int = 0
-    duplicate: int = 0       # invalid rows whose id repeats an earlier row's (the summary's duplicate_ids)
-    filtered: int = 0
+    # valid / invalid (duplicates included) / duplicates / filtered rows read this run, as check
+    # counts them (producer/reading/tally.py); the summary's duplicate_ids
+    tally: RowTally = field(default_factory=RowTally)
     filtered_recorded: int = 0  # the filtered count in Redis: the most any run of this dataset filtered
     already_done: int = 0
     already_live: int = 0

@@ -99,8 +99,10 @@ def rule_in_state(conn: redis.Redis, ds: DatasetConfig) -> str | None | object:
     return DEFAULT_ID_FIELD if field_hits > hash_hits else None
 
 
-def settle_id_field(conn: redis.Redis, ds: DatasetConfig, out_dir: Path) -> str | None:
-    """Decide (or recall) where ``ds``'s ids come from, record it, set ``ds.id_field``; see above."""
+def settle_id_field(conn: redis.Redis, ds: DatasetConfig, out_dir: Path, record: bool = True) -> str | None:
+    """Decide (or recall) where ``ds``'s ids come from, record it (unless ``record`` is False: the
+    producer records it with ``record_id_field`` once nothing can refuse the run), set ``ds.id_field``;
+    see above."""
     configured = ds.id_field
     raw = conn.hget(keys.conf_key(ds.name), ID_FIELD_FIELD)
     recorded: str | None | object = json.loads(text(raw)) if raw is not None else recorded_in_meta(out_dir, ds.name)
@@ -122,6 +124,12 @@ def settle_id_field(conn: redis.Redis, ds: DatasetConfig, out_dir: Path) -> str 
         if rule is None and configured == DEFAULT_ID_FIELD and dataset_id_field(ds) == DEFAULT_ID_FIELD:
             log.info("dataset %s: its state was made with content-hash ids (what earlier versions did without "
                      "id_field); keeping them so nothing runs twice (set id_field: null to say so)", ds.name)
-    conn.hsetnx(keys.conf_key(ds.name), ID_FIELD_FIELD, json.dumps(rule))
     ds.id_field = rule
+    if record:
+        record_id_field(conn, ds)
     return rule
+
+
+def record_id_field(conn: redis.Redis, ds: DatasetConfig) -> None:
+    """Keep the rule ``settle_id_field`` set on ``ds`` in the dataset's state (the first one stays)."""
+    conn.hsetnx(keys.conf_key(ds.name), ID_FIELD_FIELD, json.dumps(ds.id_field))

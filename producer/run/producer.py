@@ -9,10 +9,10 @@ costs only that row: whatever goes wrong reading, mapping, tokenizing or enqueue
 recorded in out/<ds>.invalid.jsonl with the reason, once (a restart that reads the same
 row again does not record it twice), and counted. A dataset is complete when its reading
 has ended (every row read, or budget reached) and no job of it is queued or started; a
-paused dataset's queued jobs keep the run waiting until it is resumed. The output volume is
-checked before anything is written to Redis, and watched by the disk guard while the run goes
-(producer/run/disk_guard.py): full or read-only, it holds admissions and keeps results in Redis.
-"""
+paused dataset's queued jobs keep the run waiting until it is resumed. The output volume and the
+datasets are checked before anything is written to Redis; the disk guard
+(producer/run/disk_guard.py) then holds admissions while the volume is full or read-only and keeps
+results in Redis."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ from rq.queue import EnqueueData
 from rq.serializers import JSONSerializer
 
 from budgetq.hidden_states.collect.inline import Capture
-from budgetq.producer.reading.reader import Filtered, Invalid, Prompt, read_prompts
+from budgetq.producer.reading.reader import Invalid, Prompt, read_prompts
 from budgetq.producer.reading.row_count import count_rows
 from budgetq.producer.run.budget_loop import BudgetLoop
 from budgetq.producer.run.collector import Collector
 from budgetq.producer.run.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
 from budgetq.producer.run.feed import Feed, recorded_invalid
-from budgetq.producer.run.id_rule import settle_id_field
+from budgetq.producer.run.id_rule import record_id_field, settle_id_field
 from budgetq.producer.run.meta import check_and_write_meta
 from budgetq.producer.run.migrate import uses_legacy_ids
 from budgetq.producer.run.reconcile import adopt_missing, rows_on_disk
@@ -72,17 +72,10 @@ class Producer:
         self.conn = connect(cfg.redis_url)
         self.feeds: list[Feed] = []
         resolve_datasets(cfg.datasets, cfg.server.tokenizer)  # before meta.json records them
-        self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
-        for ds in cfg.datasets:
-            kept = register_dataset(self.conn, ds, keep_limit=self.budgets.active)
-            if kept is not None:
-                log.info("dataset %s: budget %s (set live) kept; the config's %s is the one already applied "
-                         "(change it in the config, or `budgetq budget set`, to move it)", ds.name,
-                         format_tokens(kept), format_tokens(ds.budget or 0))
+        for ds in cfg.datasets:  # what can refuse the run only reads Redis: a failed start leaves no bq:* key
+            settle_id_field(self.conn, ds, cfg.output_dir, record=False)  # the ids its state was made with
             q = jobs.LeanQueue(keys.queue_name(ds.name), connection=self.conn, serializer=JSONSerializer)
-            legacy = uses_legacy_ids(self.conn, ds.name)
-            settle_id_field(self.conn, ds, cfg.output_dir)  # the ids this dataset's state was made with
-            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q, legacy=legacy,
+            self.feeds.append(Feed(ds, read_prompts(ds, cfg.server), q,
                                    filtered_recorded=int(self.conn.hget(keys.stats_key(ds.name), Stat.FILTERED) or 0)))
         try:
             self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
@@ -91,6 +84,15 @@ class Producer:
             raise output_error(cfg.output_dir, exc) from None
         for warning in warnings:
             log.warning(warning)
+        self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
+        for f in self.feeds:
+            kept = register_dataset(self.conn, f.ds, keep_limit=self.budgets.active)
+            if kept is not None:
+                log.info("dataset %s: budget %s (set live) kept; the config's %s is the one already applied (change "
+                         "it in the config, or `budgetq budget set`, to move it)", f.ds.name, format_tokens(kept),
+                         format_tokens(f.ds.budget or 0))
+            f.legacy = uses_legacy_ids(self.conn, f.ds.name)
+            record_id_field(self.conn, f.ds)
         # hook: the disk guard; its first sync ends a hold a previous producer left
         self.guard = OutputGuard(self.conn, cfg.output_dir, cfg.min_free_mb, [d.name for d in cfg.datasets])
         self.guard.sync()
@@ -122,9 +124,7 @@ class Producer:
 
     def _record_invalid(self, f: Feed, bad: Invalid) -> None:
         """Count a bad row, and write it down unless an earlier run already did (same line, same reason)."""
-        f.invalid += 1
-        if bad.duplicate:
-            f.duplicate += 1
+        f.tally.add(bad)
         if (bad.line, bad.reason) in self._recorded[f.ds.name]:
             return
         self._recorded[f.ds.name].add((bad.line, bad.reason))
@@ -167,16 +167,16 @@ class Producer:
             f.read += 1
             if isinstance(item, Invalid):
                 self._record_invalid(f, item)
-            elif isinstance(item, Filtered):
-                f.filtered += 1
             else:
-                f.pending.append(item)
+                f.tally.add(item)
+                if isinstance(item, Prompt):
+                    f.pending.append(item)
         if f.ended:  # status: done, no ETA; every row is read, so their count is exact now
             self.conn.hset(keys.conf_key(f.ds.name), mapping={Conf.SOURCE_ENDED: "1", Conf.SOURCE_ROWS: f.read,
                                                                Conf.SOURCE_ESTIMATED: "0"})
-        if f.filtered > f.filtered_recorded:  # a restart reads the rows again: count only beyond the last run
-            self.conn.hincrby(keys.stats_key(f.ds.name), Stat.FILTERED, f.filtered - f.filtered_recorded)
-            f.filtered_recorded = f.filtered
+        if f.tally.filtered > f.filtered_recorded:  # a restart reads the rows again: count only beyond the last run
+            self.conn.hincrby(keys.stats_key(f.ds.name), Stat.FILTERED, f.tally.filtered - f.filtered_recorded)
+            f.filtered_recorded = f.tally.filtered
         if f.pending:
             # Kept in f.pending until enqueued: a Redis outage here loses no row.
             self._enqueue(f, f.pending)
@@ -327,9 +327,9 @@ class Producer:
                     continue
                 self._warn_unwritten()
                 for f in self.feeds:
-                    if f.invalid:
+                    if f.tally.invalid:
                         log.warning("dataset %s: %d invalid rows (%d of them repeat an earlier id); reasons in %s",
-                                    f.ds.name, f.invalid, f.duplicate, self._invalid_files[f.ds.name])
+                                    f.ds.name, f.tally.invalid, f.tally.duplicates, self._invalid_files[f.ds.name])
                 if self.stop_requested:
                     self._mark_interrupted()
                 break

@@ -53,6 +53,7 @@ class ProgressReporter:
         self._said: tuple[str | None, float] = (None, float("-inf"))  # (what was said last, when)
         self._no_worker_since: float | None = None
         self.no_worker_grace_s = NO_WORKER_GRACE_S
+        self._logged: dict[str, str] = {}  # dataset -> its last log line (the last one is not said twice)
 
     def _read(self) -> list[dict[str, Any]] | None:
         try:
@@ -61,7 +62,7 @@ class ProgressReporter:
             log.debug("progress: cannot read status: %s", exc)
             return None
 
-    def update(self, force: bool = False) -> None:
+    def update(self, force: bool = False, final: bool = False) -> None:
         self._fleet(time.monotonic(), force)
         if self.mode == "off" or not self.names:
             return
@@ -76,7 +77,7 @@ class ProgressReporter:
             self._draw(snaps)
         else:
             for d in snaps:
-                self._log_line(d)
+                self._log_line(d, final)
 
     def _fleet(self, now: float, force: bool = False) -> None:
         """Say in one line why nothing lands: the servers fail (``2/2 servers failing: HTTP 500
@@ -121,7 +122,7 @@ class ProgressReporter:
         """A last update (every dataset's final numbers), then release the terminal."""
         if self.mode == "off":
             return
-        self.update(force=True)
+        self.update(force=True, final=True)
         if self._progress is not None:
             self._progress.stop()
             for handler, stream in self._rehomed:
@@ -129,12 +130,18 @@ class ProgressReporter:
             self._rehomed.clear()
             self._progress = None
 
-    def _log_line(self, d: dict[str, Any]) -> None:
+    def _log_line(self, d: dict[str, Any], final: bool = False) -> None:
+        """A dataset's line; the final one (``close``) only if it says something new: a run that
+        ended just after a periodic line printed the same final line twice."""
         led = d["ledger"]
         pct = d["used_pct"] if d["used_pct"] is not None else 0.0
         rate = "done" if d["tok_s"] is None else f"{d['tok_s']:.0f} tok/s, ETA {format_eta(d['eta_s'], d['eta_by'])}"
         if d["state"] in ("paused", "held"):  # why the ETA is "-" (the hold's reason is the producer's own line)
             rate = f"{d['state']}, {rate}"
+        said = f"{pct:.2f} {d['used']} {d['budget']} {rate}"
+        if final and self._logged.get(d["dataset"]) == said:
+            return
+        self._logged[d["dataset"]] = said
         log.info("progress %s %.2f%% (%s / %s tokens, %s)", d["dataset"], pct,
                  format_tokens(d["used"]), format_tokens(d["budget"]), rate,
                  extra={"dataset": d["dataset"], "state": d["state"], "used": d["used"], "budget": d["budget"],
