@@ -55,10 +55,12 @@ def test_the_kind_comes_from_server_info_then_v1_models_and_the_model_from_its_o
 
 class FakeVllm:
     """/server_info 404, /v1/models, /metrics and a chat route that refuses any other model name (404),
-    as vLLM does; it records each chat request's X-Request-Id and body."""
+    as vLLM does; it records each chat request's X-Request-Id and body. ``owner``: another server's
+    /v1/models owned_by (llama-cpp-python says "me")."""
 
-    def __init__(self, models: list[str]) -> None:
+    def __init__(self, models: list[str], owner: str = "vllm") -> None:
         self.models = models
+        self.owner = owner
         self.seen: list[tuple[str | None, dict]] = []
         self.metrics = VLLM_METRICS
 
@@ -67,7 +69,7 @@ class FakeVllm:
                 web.post("/v1/chat/completions", self._chat)]
 
     async def _models(self, _r: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [_card(m) for m in self.models]})
+        return web.json_response({"object": "list", "data": [_card(m, self.owner) for m in self.models]})
 
     async def _metrics(self, _r: web.Request) -> web.Response:
         return web.Response(text=self.metrics, content_type="text/plain")
@@ -128,6 +130,24 @@ def test_a_vllm_gets_its_one_model_our_rid_as_x_request_id_and_its_metrics_are_r
     ((rid, body),) = server.seen
     assert re.fullmatch(r"C-c1\.[0-9a-f]{12}", rid or "")           # the attempt's rid
     assert body["model"] == "smollm2" and "rid" not in body and "top_k" not in body
+
+
+def test_another_openai_style_server_gets_its_model_but_no_x_request_id():
+    """llama-cpp-python's server answers 400 (empty body) to an X-Request-Id that is not a UUID
+    (starlette_context RequestIdPlugin, validate=True: llama_cpp/server/app.py), so only SGLang and
+    vLLM get the rid as that header."""
+    server = FakeVllm(["/models/SmolLM2-135M-Instruct.Q4_1.gguf"], owner="me")
+
+    async def run(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            client = SGLangClient(session, ServerConfig(urls=[url]))
+            out = await client.complete(PAYLOAD, "C-c1")
+            assert client.pool.endpoints[0].kind == "openai" and out.model == server.models[0]
+            await client.close()
+
+    asyncio.run(_serving(server, run))
+    ((rid, body),) = server.seen
+    assert rid is None and body["model"] == server.models[0]
 
 
 def test_unreadable_vllm_metrics_keep_the_share_and_say_so_once(redis_url, caplog):

@@ -49,6 +49,8 @@ T = TypeVar("T")
 _DUPLICATE_RID = "Duplicate request ID"
 # /abort_request is best effort: a short timeout, and its failure changes nothing.
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# The servers that get the attempt's rid as X-Request-Id (``_post``).
+_RID_HEADER_KINDS = (server_kind.SGLANG, server_kind.VLLM)
 
 
 class SGLangClient:
@@ -112,16 +114,19 @@ class SGLangClient:
         A transport failure is retryable; one that may have reached the server (a timeout, a
         dropped connection, a cancellation) also asks the server to abort ``rid``.
 
-        ``rid`` also goes as ``X-Request-Id``: vLLM makes it its request id (``chatcmpl-<rid>`` in its
-        log, its aborts and the answer's id: entrypoints/serve/engine/serving.py ``_base_request_id``);
-        SGLang 0.5.23 and llama.cpp's server read no such header.
+        ``rid`` also goes as ``X-Request-Id`` to vLLM, which makes it its request id (``chatcmpl-<rid>``
+        in its log, its aborts and the answer's id: entrypoints/serve/engine/serving.py
+        ``_base_request_id``), and to SGLang, which reads no such header (a router or proxy in front
+        may log it). Not to another OpenAI-style server: llama-cpp-python's answers 400 to one that
+        is not a UUID (starlette_context's RequestIdPlugin validates it), a gateway may do the same.
         """
         ep.in_flight += 1
         ep.requests += 1
         started = time.monotonic()
+        headers = {**self._headers, "X-Request-Id": rid} if ep.kind in _RID_HEADER_KINDS or path == "/generate" \
+            else self._headers   # /generate is SGLang's own route
         try:
-            async with self._session.post(ep.url + path, json=body, headers={**self._headers, "X-Request-Id": rid},
-                                          timeout=self._timeout) as resp:
+            async with self._session.post(ep.url + path, json=body, headers=headers, timeout=self._timeout) as resp:
                 return await read(resp, started)
         except aiohttp.ClientConnectorError as exc:  # never reached the server: nothing to abort
             self.pool.fault(ep, server_faults.transport_reason(exc), str(exc))
