@@ -2,7 +2,8 @@
 worker finds it is vLLM (no /server_info, /v1/models owned_by "vllm"), names its one model without
 ``server.model``, sizes ``concurrency: auto`` from its Prometheus /metrics, and sends each attempt's
 rid as ``X-Request-Id``, which vLLM takes as its request id (its log names ``chatcmpl-<rid>``);
-``budgetq status`` shows the server's kind, model and load. A few hundred generated tokens in all.
+``budgetq status`` shows the server's kind, model and load, ``budgetq check`` the model it resolved.
+A few hundred generated tokens in all.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def test_an_auto_worker_reads_vllms_metrics_names_its_model_and_its_rids_reach_v
                          "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0}}],
                        worker={"concurrency": "auto", "capacity_interval_s": 0.3, "control_interval_s": 0.2},
                        producer={"progress": "off"})
+    check = subprocess.run([*PY, "check", "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert f"server {vllm.url}: OK, serves {MODEL_NAME} (vLLM); requests name '{MODEL_NAME}' (server.model unset)" \
+        in check.stdout, check.stdout + check.stderr
     procs = Procs(cfg, tmp_path)
     try:
         worker = procs.worker()
