@@ -76,7 +76,7 @@ class Endpoint:
     kind: str | None = None
     model: str | None = None    # the model name its requests carry (server.model, else resolved)
     # The server's own load as last read (worker/capacity.py, concurrency: auto): running, waiting,
-    # kv_cache_use (vLLM), max_running (SGLang), read_at (unix s); None until read.
+    # kv_cache_use (vLLM), slots (the running slots sized from), read_at (unix s); None until read.
     load: dict | None = None
     asked_at: float = 0.0       # when its kind was last asked without an answer (monotonic)
     refused: str | None = None  # why its answer cannot be used (several models, no server.model)
