@@ -26,7 +26,10 @@ class ServerConfig(Strict):
     # chat = /v1/chat/completions (the server applies the chat template);
     # generate = /generate with input_ids from `tokenizer` (applied here, counted here).
     api: Literal["chat", "generate"] = "chat"
-    model: str = "default"
+    # The "model" field of chat requests. None: SGLang gets "default" (it serves one model under any
+    # name); another server (vLLM, llama.cpp) the one id its /v1/models lists, per endpoint; several
+    # ids there stop the worker and `budgetq check` with one line (shared/server_kind.py).
+    model: str | None = None
     # Never logged or put in job payloads: workers read it from their own config/env.
     api_key: str | None = Field(default=None, repr=False)
     timeout_s: float = Field(default=3600.0, gt=0)

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from budgetq.shared import keys, run_plan, server_faults
+from budgetq.shared import keys, run_plan, server_faults, server_kind
 from budgetq.shared.budget import DatasetState, dataset_state
 from budgetq.shared.config import Config
 from budgetq.shared.ends import dataset_eta, prompts_left, stop_reason
@@ -261,6 +261,18 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
     return out
 
 
+def _server_view(e: dict[str, Any]) -> dict[str, Any]:
+    """What a worker found the server to be: its kind (shared/server_kind.py; null until asked), the
+    model its requests name, and its own load as the worker last read it (concurrency: auto)."""
+    kind = e.get("kind") if e.get("kind") in server_kind.KINDS else None
+    raw = e.get("load") if isinstance(e.get("load"), dict) else None
+    load = None if raw is None else {
+        "running": _num(raw.get("running"), int, None), "waiting": _num(raw.get("waiting"), int, None),
+        "kv_cache_use": _num(raw.get("kv_cache_use"), float, None), "slots": _num(raw.get("slots"), int, None),
+        "read_at": _num(raw.get("read_at"), float, None)}
+    return {"kind": kind, "model": str(e["model"]) if e.get("model") is not None else None, "load": load}
+
+
 def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
     """Live workers (a name whose hash has expired, or gone silent, is a dead worker and is left out)."""
     out = []
@@ -280,6 +292,7 @@ def worker_snapshots(conn: redis.Redis, now: float) -> list[dict[str, Any]]:
                 # prefix routing: prompt tokens answered and those the server had cached
                 "prompt_tokens": _num(e.get("prompt_tokens")),
                 "cached_tokens": _num(e.get("cached_tokens")),
+                **_server_view(e),
             }
         started = _num(h.get("started_at"), float, None)
         out.append({
@@ -300,15 +313,22 @@ def endpoint_summary(workers: list[dict[str, Any]], configured: Iterable[str] = 
     """Endpoints as the live workers see them: healthy if any worker sees it healthy, in flight summed.
     A configured URL no live worker reports is listed with ``healthy: null`` (unknown)."""
     agg: dict[str, dict[str, Any]] = {}
+
+    def fresh(url: str) -> dict[str, Any]:
+        return {"url": url, "healthy": None, "in_flight": 0, "failures": 0, "workers": 0, "healthy_workers": 0,
+                "ejected_since": None, "prompt_tokens": 0, "cached_tokens": 0, "kind": None, "model": None,
+                "load": None}
+
     for url in configured:
-        agg.setdefault(redact_url(url), {"url": redact_url(url), "healthy": None, "in_flight": 0, "failures": 0,
-                                         "workers": 0, "healthy_workers": 0, "ejected_since": None,
-                                         "prompt_tokens": 0, "cached_tokens": 0})
+        agg.setdefault(redact_url(url), fresh(redact_url(url)))
     for w in workers:
         for url, e in w["endpoints"].items():
-            a = agg.setdefault(url, {"url": url, "healthy": None, "in_flight": 0, "failures": 0, "workers": 0,
-                                     "healthy_workers": 0, "ejected_since": None,
-                                     "prompt_tokens": 0, "cached_tokens": 0})
+            a = agg.setdefault(url, fresh(url))
+            a["kind"] = a["kind"] or e.get("kind")
+            a["model"] = a["model"] or e.get("model")
+            load = e.get("load")   # the server's own numbers: the latest read of any worker, not a sum
+            if load and (a["load"] is None or (load["read_at"] or 0) > (a["load"]["read_at"] or 0)):
+                a["load"] = load
             a["prompt_tokens"] += e["prompt_tokens"]   # over the live workers' lifetimes
             a["cached_tokens"] += e["cached_tokens"]
             a["workers"] += 1

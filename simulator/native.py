@@ -17,6 +17,7 @@ from budgetq.simulator.runner import (
     Runner,
     close_sse,
     drop_connection,
+    error_json,
     finish_json,
     json_object,
     open_sse,
@@ -29,16 +30,16 @@ from budgetq.simulator.texts import inline_text, output_ids
 # Bodies of /generate errors, by where SGLang raises them (entrypoints/http_server.py):
 # the JSON contract gate -> {"error": "<text>"}; a ValueError -> _create_error_response
 # {"error": {"message"}}; an HTTPException (queue full: 503) -> the flat ErrorResponse with
-# type str(status).
+# type str(status). Each is an ORJSONResponse: compact bytes, application/json (runner.error_json).
 
 
 def native_error(exc: BadRequest) -> web.Response:
     if exc.kind == "contract":
-        return web.json_response({"error": exc.message}, status=exc.status)
+        return error_json({"error": exc.message}, exc.status)
     if exc.kind == "overload":
-        return web.json_response({"object": "error", "message": exc.message, "type": str(exc.status),
-                                  "param": None, "code": exc.status}, status=exc.status)
-    return web.json_response({"error": {"message": exc.message}}, status=exc.status)
+        return error_json({"object": "error", "message": exc.message, "type": str(exc.status), "param": None,
+                           "code": exc.status}, exc.status)
+    return error_json({"error": {"message": exc.message}}, exc.status)
 
 
 async def stream_error(request: web.Request, exc: BadRequest) -> web.StreamResponse:

@@ -19,6 +19,7 @@ from budgetq.simulator.runner import (
     Runner,
     close_sse,
     drop_connection,
+    error_json,
     json_object,
     open_sse,
     opt_int,
@@ -43,7 +44,7 @@ def oai_error(exc: BadRequest) -> web.Response:
     else:
         kind = ERROR_TYPES.get(exc.status, "BadRequestError")
     body = {"object": "error", "message": exc.message, "type": kind, "param": None, "code": exc.status}
-    return web.json_response(body, status=exc.status)
+    return error_json(body, exc.status)   # an ORJSONResponse, as SGLang's (runner.error_json)
 
 
 async def stream_overload(request: web.Request, exc: BadRequest) -> web.StreamResponse:

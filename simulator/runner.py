@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from budgetq.simulator.faults import ERROR_MESSAGES, FaultInjector
@@ -241,8 +242,17 @@ async def close_sse(resp: web.StreamResponse) -> web.StreamResponse:
     return resp
 
 
+def error_json(body: Any, status: int) -> web.Response:
+    """An error answer as SGLang 0.5.23 writes every one: fastapi's ``ORJSONResponse`` (compact
+    orjson bytes, ``Content-Type: application/json`` without a charset), from
+    entrypoints/http_server.py's exception handlers and serving_base ``create_error_response``."""
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
 async def open_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    # Starlette's StreamingResponse(media_type="text/event-stream") adds the charset to a text/ type.
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache"})
     await resp.prepare(request)
     return resp
 

@@ -1,5 +1,5 @@
-"""worker.concurrency: auto (worker/capacity.py): sized from /server_info and /v1/loads, split
-among the workers sharing a server through Redis."""
+"""worker.concurrency: auto (worker/capacity.py): sized from /server_info and /v1/loads (SGLang) or
+/metrics (vLLM, worker/vllm_load.py), split among the workers sharing a server through Redis."""
 
 from __future__ import annotations
 
@@ -11,7 +11,18 @@ from budgetq.cli.main import concurrency_arg
 from budgetq.shared import keys
 from budgetq.shared.config import WorkerConfig
 from budgetq.shared.status import snapshot
-from budgetq.worker.capacity import ServerLoad, my_share, next_target, parse_loads, parse_server_info, queue_target
+from budgetq.worker.capacity import (
+    KV_HIGH,
+    MAX_PER_ENGINE,
+    ServerLoad,
+    my_share,
+    next_slots,
+    next_target,
+    parse_loads,
+    parse_server_info,
+    queue_target,
+)
+from budgetq.worker.vllm_load import VllmLoad, parse_metrics
 from tests.helpers import Procs, sim_get, wait_for, write_config
 
 
@@ -81,3 +92,95 @@ def test_two_auto_workers_fill_two_servers_of_different_sizes_and_split_them(tmp
         assert len(conn.hgetall(keys.capacity_key(small))) == 2
     finally:
         procs.stop_all()
+
+
+# --- vLLM: its /metrics, and the running slots estimated from them ----------------------------------
+# An excerpt of vLLM 0.32.0's /metrics (CPU build, SmolLM2-135M), as two data-parallel engines would
+# write it: HELP/TYPE lines, a histogram and an info metric between the gauges read.
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2"} 40.0
+vllm:num_requests_running{engine="1",model_name="smollm2"} 38.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="smollm2"} 5.0
+vllm:num_requests_waiting{engine="1",model_name="smollm2"} 2.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="smollm2",reason="capacity"} 4.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="smollm2",reason="deferred"} 1.0
+vllm:num_requests_waiting_by_reason{engine="1",model_name="smollm2",reason="capacity"} 2.0
+vllm:num_requests_waiting_by_reason{engine="1",model_name="smollm2",reason="deferred"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="smollm2"} 0.625
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="smollm2"} 3.0
+vllm:num_preemptions_total{engine="1",model_name="smollm2"} 1.0
+vllm:num_preemptions_created{engine="0",model_name="smollm2"} 1.7965617778946946e+09
+vllm:request_num_preemptions_bucket{engine="0",le="1.0",model_name="smollm2"} 79.0
+vllm:cache_config_info{block_size="128",engine="0",kv_cache_max_concurrency="22.75",num_gpu_blocks="364"} 1.0
+"""
+
+
+def test_vllm_metrics_are_summed_over_engines_and_the_fullest_kv_cache_counts():
+    load = parse_metrics(VLLM_METRICS)
+    assert load == VllmLoad(running=78, waiting=7, waiting_capacity=6, kv_cache_use=0.625, preemptions=4, engines=2)
+    # an older vLLM without waiting_by_reason: all of waiting counts as waiting for room
+    older = "\n".join(line for line in VLLM_METRICS.splitlines() if "by_reason" not in line)
+    assert parse_metrics(older).waiting_capacity == 7
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "no vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc"),
+    ("# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 3\n", "not a vLLM server"),
+    (VLLM_METRICS.replace("} 0.625", "} NaN"), "NaN"),
+    (VLLM_METRICS.replace("} 40.0", "} -1"), "negative"),
+    (VLLM_METRICS.replace('vllm:num_requests_running{engine="1"', 'vllm:num_requests_running{engine=1'),
+     "unreadable vLLM metrics"),
+])
+def test_bad_or_missing_vllm_metrics_are_an_error_the_caller_keeps_the_share_for(text, why):
+    with pytest.raises(ValueError, match=why):
+        parse_metrics(text)
+
+
+def _vllm(running: int, waiting: int, kv: float = 0.2, engines: int = 1) -> VllmLoad:
+    return VllmLoad(running, waiting, waiting, kv, 0, engines)
+
+
+def test_vllm_slots_grow_while_everything_runs_and_fall_to_what_runs_when_more_than_the_queue_waits():
+    assert next_slots(8, _vllm(running=10, waiting=0)) == 16          # 8 + its queue of 2 all run: double
+    assert next_slots(8, _vllm(running=8, waiting=0)) == 8            # the queue is not there (few jobs): hold
+    assert next_slots(64, _vllm(running=20, waiting=0)) == 64         # a worker short of jobs never grows it
+    assert next_slots(256, _vllm(running=256, waiting=13)) == 256     # max_num_seqs 256 and its queue: hold
+    assert next_slots(256, _vllm(running=256, waiting=0)) == 256      # ... also the instant the queue is empty
+    assert next_slots(512, _vllm(running=256, waiting=269)) == 256    # grown past max_num_seqs: back to it
+    assert next_slots(256, _vllm(running=180, waiting=2, kv=KV_HIGH)) == 180     # KV memory is the bound
+    assert next_slots(256, _vllm(running=200, waiting=0), preempted=True) == 200  # KV ran out: work was lost
+    assert next_slots(MAX_PER_ENGINE, _vllm(running=3000, waiting=0)) == MAX_PER_ENGINE   # vLLM's largest default
+    assert next_slots(MAX_PER_ENGINE, _vllm(running=3000, waiting=0, engines=2)) == 2 * MAX_PER_ENGINE
+
+
+def _serve_vllm(ours: int, max_num_seqs: int, kv_requests: int) -> VllmLoad:
+    """A vLLM that runs at most max_num_seqs, and as many as its KV cache holds (kv_requests), of ours."""
+    running = min(ours, max_num_seqs, kv_requests)
+    return _vllm(running, ours - running, kv=running / kv_requests)
+
+
+@pytest.mark.parametrize("max_num_seqs, kv_requests", [(256, 10**6), (1024, 10**6), (48, 10**6), (256, 100),
+                                                       (3, 10**6)])
+def test_vllm_sizing_settles_at_what_the_server_runs_plus_a_short_queue(max_num_seqs, kv_requests):
+    """From START, read after read, one budgetq worker alone at the server: it reaches the server's
+    bound (max_num_seqs, or what its KV cache holds) within ~log2 reads and then holds, queue kept short."""
+    slots, ours, seen = 8, 8, []
+    for _ in range(40):
+        load = _serve_vllm(ours, max_num_seqs, kv_requests)
+        slots = next_slots(slots, load)
+        ours = next_target(ServerLoad(slots, load.running, load.waiting), ours)
+        seen.append((slots, ours))
+    bound = min(max_num_seqs, kv_requests)
+    assert len(set(seen[-10:])) == 1, seen                 # settled: no oscillation
+    slots, ours = seen[-1]
+    assert KV_HIGH * bound <= slots <= bound
+    assert ours - slots == queue_target(slots)           # the queue at the server is the short one

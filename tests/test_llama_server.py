@@ -3,9 +3,11 @@
 (SmolLM2-135M-Instruct, Q4_1, 98 MB). ``make`` installs both.
 
 What it pins: budgetq sends such a server only standard fields (SGLang's own defaults, such as
-``top_k: -1``, which this server refuses with a validation error as HTTP 500, are left out); it
-reads ``max_tokens`` (not ``max_completion_tokens``); a request the server calls invalid fails
-its prompt at once with the server's message; rows land with the server's token counts.
+``top_k: -1``, which this server refuses with a validation error as HTTP 500, are left out) and
+no X-Request-Id (it refuses one that is not a UUID); it reads ``max_tokens`` (not
+``max_completion_tokens``); without ``server.model`` requests name the one model it lists; a
+request the server calls invalid fails its prompt at once with the server's message; rows land
+with the server's token counts.
 """
 
 from __future__ import annotations
@@ -100,6 +102,18 @@ def test_the_server_refuses_sglangs_top_k_default(llama):
     assert status == 500 and "'top_k'" in body["error"]["message"]
 
 
+def test_the_server_refuses_an_x_request_id_that_is_not_a_uuid(llama):
+    """Why budgetq sends its rid as X-Request-Id to SGLang and vLLM only: this server's
+    starlette_context RequestIdPlugin validates the header as a UUID and answers 400, empty."""
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    req = urllib.request.Request(llama + "/v1/chat/completions", body,
+                                 {"Content-Type": "application/json", "X-Request-Id": "D-p0.0123456789ab"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 400 and err.value.read() == b""
+    err.value.close()
+
+
 def test_rows_land_with_the_servers_token_counts(tmp_path, redis_url, conn, llama):
     cfg, ids = _config(tmp_path, redis_url, llama, 6)
     procs = run_to_completion(cfg, tmp_path, timeout_s=120)
@@ -117,7 +131,12 @@ def test_rows_land_with_the_servers_token_counts(tmp_path, redis_url, conn, llam
     status, direct = _post(llama + "/v1/chat/completions", {"messages": first["conversations"][:-1], "max_tokens": 1})
     assert status == 200 and direct["usage"]["prompt_tokens"] == first["prompt_tokens"] > 0
     worker_log = "".join(procs.log(p) for p in procs.procs if "worker" in Path(p.log_path).name)  # type: ignore[attr-defined]
-    assert "is not SGLang" in worker_log
+    assert "is OpenAI-style, not SGLang (no /server_info)" in worker_log
+    # no server.model: the one model its /v1/models lists (its GGUF path), no X-Request-Id (it refuses
+    # one that is not a UUID with a 400)
+    with urllib.request.urlopen(llama + "/v1/models", timeout=10) as resp:
+        (card,) = json.loads(resp.read())["data"]
+    assert {r["model"] for r in got} == {card["id"]}
 
 
 def test_a_value_the_server_refuses_fails_the_prompts_at_once_with_its_message(tmp_path, redis_url, conn, llama):

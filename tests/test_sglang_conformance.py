@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import warnings
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -232,6 +234,58 @@ def test_generate_meta_info_has_sglangs_keys_dp_rank_included():
                             "reasoning_tokens", "completion_tokens", "cached_tokens", "dp_rank"]
         assert body["meta_info"]["dp_rank"] == 0
     run_sim(scenario, speedup=1000, length_mean=10)
+
+
+def _sglang_error_answer(message: str, err_type: str, code: int) -> tuple[int, str, bytes]:
+    """(status, Content-Type, body) of an error answer as SGLang 0.5.23 writes it: its flat
+    ErrorResponse in fastapi's ORJSONResponse (serving_base.py:205-221 ``create_error_response``;
+    http_server.py:578-631, the HTTPException handler), built here with the same two classes."""
+    from fastapi.exceptions import FastAPIDeprecationWarning
+    from fastapi.responses import ORJSONResponse
+
+    error = sc.SGL.protocol.ErrorResponse(object="error", message=message, type=err_type, param=None, code=code)
+    with warnings.catch_warnings():  # a newer fastapi deprecates the class SGLang still answers with
+        warnings.simplefilter("ignore", FastAPIDeprecationWarning)
+        resp = ORJSONResponse(content=error.model_dump(), status_code=code)
+    return resp.status_code, resp.headers["content-type"], bytes(resp.body)
+
+
+def test_queue_full_answers_are_sglangs_to_the_byte_with_its_content_type():
+    """SGLang 0.5.23, queue full: scheduler.py:3552-3587 ``_abort_on_queued_limit`` aborts the request
+    with status 503 and "The request queue is full."; tokenizer_manager.py:1916-1921
+    ``_handle_abort_finish_reason`` raises ``HTTPException(503, message)`` for a request not streamed;
+    chat catches it in serving_base.py:119-122 (``create_error_response(..., err_type=str(status))``),
+    /generate in http_server.py:578-631: on both the flat ErrorResponse, type "503" (Python >= 3.11, which
+    the wheel requires: ``str(HTTPStatus.SERVICE_UNAVAILABLE) == "503"``), as compact orjson bytes with
+    ``Content-Type: application/json``. A streamed chat is a StreamingResponse: ``text/event-stream;
+    charset=utf-8`` (serving_chat.py:2435-2438)."""
+    from http import HTTPStatus
+
+    from fastapi.responses import StreamingResponse
+
+    code = HTTPStatus.SERVICE_UNAVAILABLE
+    want = _sglang_error_answer("The request queue is full.", str(code), code)
+    assert want[1] == "application/json" and b", " not in want[2]
+
+    async def answer() -> AsyncIterator[bytes]:
+        yield b""
+    sse_type = StreamingResponse(answer(), media_type="text/event-stream").headers["content-type"]
+
+    async def raw(c, url, body):
+        async with c.post(url, json=body) as r:
+            return r.status, r.headers["Content-Type"], await r.read()
+
+    async def scenario(c, u):
+        long = {"text": "x", "sampling_params": {"max_new_tokens": 10**6}}
+        tasks = [asyncio.create_task(post(c, u + "/generate", long)) for _ in range(2)]
+        await until(c, u, lambda s: s["queued"] == 1)
+        assert await raw(c, u + CHAT, {"messages": MSGS}) == want
+        assert await raw(c, u + "/generate", long) == want
+        status, ctype, _body = await raw(c, u + CHAT, {"messages": MSGS, "stream": True})
+        assert (status, ctype) == (200, sse_type)
+        await post(c, u + "/abort_request", {"abort_all": True})
+        await asyncio.gather(*tasks)
+    _queue_full_sim(scenario)
 
 
 def test_queue_full_bodies_are_sglangs_on_both_apis_streamed_or_not():

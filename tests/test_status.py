@@ -104,7 +104,9 @@ def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     eps = {e["url"]: e for e in snap["endpoints"]}
     assert eps["http://gpu-a:30000"] | {} == {"url": "http://gpu-a:30000", "healthy": True, "in_flight": 7,
                                               "failures": 1, "workers": 2, "healthy_workers": 1,
-                                              "ejected_since": None, "prompt_tokens": 1000, "cached_tokens": 600}
+                                              "ejected_since": None, "prompt_tokens": 1000, "cached_tokens": 600,
+                                              # what the server is and its load: none published by these workers
+                                              "kind": None, "model": None, "load": None}
     b = eps["http://gpu-b:30000"]
     assert b["healthy"] is False and b["failures"] == 7 and b["ejected_since"] == now - 50
     assert eps["http://gpu-c:30000"]["healthy"] is None and eps["http://gpu-c:30000"]["workers"] == 0

@@ -17,10 +17,22 @@ Per endpoint, every ``capacity_interval_s``:
    (``keys.capacity_key(url)``: worker name -> "<last seen time> <its in flight there>"), so 8
    workers on one server take an eighth each, not all of it.
 
+vLLM says neither its max_num_seqs nor a /v1/loads: step 1 reads its Prometheus ``/metrics``
+instead (worker/vllm_load.py: running, waiting, KV cache use, preemptions, summed over its
+engines) and estimates its running slots (``next_slots``, a slow start): the estimate doubles
+while the server runs everything budgetq keeps there, queue included, with nothing waiting for
+room and its KV cache under ``KV_HIGH``; it falls to what runs when more than the short queue
+waits, the KV cache passes ``KV_HIGH`` or a request was preempted; otherwise it holds. At
+max_num_seqs the server runs that many while the short queue waits, which neither doubles the
+estimate (not all of it runs) nor lowers it (no more than the queue waits): the steady state.
+Steps 2 and 3 are then the same as for SGLang.
+
 This worker's limit is the sum of its shares over healthy endpoints; ``Capacity.apply`` resizes
 the worker's slots (``Slots.resize``) to it and weights each endpoint by its share, so least-loaded
 routing fills a large server more than a small one. An endpoint that cannot be read keeps its
-last share (a fresh one gets ``START``), as does one that is not SGLang; an ejected endpoint gets none.
+last share (a fresh one gets ``START``) and says so once, as does another OpenAI-style server
+(nothing to read); an ejected endpoint gets none. What was read is the endpoint's ``load``, which
+the worker publishes for ``budgetq status``.
 """
 
 from __future__ import annotations
@@ -35,13 +47,19 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aredis
 
-from budgetq.shared import keys
+from budgetq.shared import keys, server_kind
+from budgetq.shared.errors import ConfigError
 from budgetq.shared.redis_conn import text
 from budgetq.worker.context import Slots
 from budgetq.worker.endpoints import Endpoint, EndpointPool
+from budgetq.worker.vllm_load import VllmLoad, parse_metrics
 
 log = logging.getLogger("budgetq.capacity")
 START = 8                       # per endpoint, until its server has been read
+KV_HIGH = 0.9                   # vLLM: KV cache use past which nothing is added (running requests grow into it)
+# vLLM: its largest default max_num_seqs is 1024, doubled by --performance-mode throughput
+# (vllm/engine/arg_utils.py get_batch_defaults): the slow start stops there, per engine.
+MAX_PER_ENGINE = 2048
 _READ_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
@@ -88,6 +106,18 @@ def next_target(load: ServerLoad, ours: int) -> int:
     return max(want_waiting, slots + want_waiting - others)
 
 
+def next_slots(slots: int, load: VllmLoad, preempted: bool = False) -> int:
+    """vLLM's running slots to size from next, given the estimate so far (module docstring).
+
+    ``preempted``: vLLM preempted requests since the last read (its counter went up)."""
+    q = queue_target(slots)
+    if load.kv_cache_use >= KV_HIGH or preempted or load.waiting_capacity > q:
+        return max(1, load.running)             # KV memory or the batch is the bound: what runs now
+    if load.waiting_capacity == 0 and load.running >= slots + q:
+        return min(2 * slots, MAX_PER_ENGINE * max(1, load.engines))   # all of it runs: room to grow
+    return slots
+
+
 def my_share(total: int, live: list[str], me: str) -> int:
     """This worker's part of ``total`` among ``live`` workers: equal, the remainder to the first names."""
     names = sorted(set(live) | {me})
@@ -111,18 +141,38 @@ class Capacity:
         self.interval_s = interval_s
         self.targets: dict[str, int] = {}   # url -> all budgetq workers' requests there
         self.shares: dict[str, int] = {}
+        self.slots_estimate: dict[str, int] = {}   # vLLM: url -> its running slots as estimated (next_slots)
+        self._preemptions: dict[str, int] = {}     # vLLM: url -> its preemption counter at the last read
+        self._unreadable: dict[str, str] = {}      # url -> why it could not be read (said once)
         self.round_trips = 0                # Redis round trips, for the worker's count
 
+    async def _get(self, ep: Endpoint, path: str) -> aiohttp.ClientResponse:
+        resp = await self.pool.session.get(ep.url + path, headers=self.pool.headers, timeout=_READ_TIMEOUT)
+        resp.raise_for_status()
+        return resp
+
     async def _read(self, ep: Endpoint) -> ServerLoad:
-        async with self.pool.session.get(ep.url + "/server_info", headers=self.pool.headers,
-                                         timeout=_READ_TIMEOUT) as resp:
-            resp.raise_for_status()
+        """SGLang: its /server_info (running slots) and /v1/loads."""
+        async with await self._get(ep, "/server_info") as resp:
             max_running = parse_server_info(await resp.json(content_type=None))
-        async with self.pool.session.get(ep.url + "/v1/loads", headers=self.pool.headers,
-                                         timeout=_READ_TIMEOUT) as resp:
-            resp.raise_for_status()
+        async with await self._get(ep, "/v1/loads") as resp:
             running, waiting = parse_loads(await resp.json(content_type=None))
+        ep.load = {"running": running, "waiting": waiting, "kv_cache_use": None, "slots": max_running,
+                   "read_at": round(time.time(), 3)}
         return ServerLoad(max_running, running, waiting)
+
+    async def _read_vllm(self, ep: Endpoint) -> ServerLoad:
+        """vLLM: its /metrics, and its running slots estimated from them (``next_slots``)."""
+        async with await self._get(ep, "/metrics") as resp:
+            load = parse_metrics(await resp.text())
+        before = self._preemptions.get(ep.url)
+        self._preemptions[ep.url] = load.preemptions
+        slots = next_slots(self.slots_estimate.get(ep.url, START), load,
+                           preempted=before is not None and load.preemptions > before)
+        self.slots_estimate[ep.url] = slots
+        ep.load = {"running": load.running, "waiting": load.waiting, "kv_cache_use": round(load.kv_cache_use, 4),
+                   "slots": slots, "read_at": round(time.time(), 3)}
+        return ServerLoad(slots, load.running, load.waiting)
 
     async def _live_workers(self, ep: Endpoint) -> dict[str, int]:
         """Register this worker at ``ep`` (with its in flight there); the workers seen there recently."""
@@ -152,20 +202,31 @@ class Capacity:
             if not ep.healthy:
                 self.shares[ep.url] = 0
                 continue
-            if ep.sglang is False:  # no /server_info or /v1/loads to size from: a fixed share
-                self.shares.setdefault(ep.url, START)
-                continue
             try:
-                load = await self._read(ep)
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-                log.info("capacity: cannot read %s (%s); keeping its share", ep.url, exc)
-                self.shares.setdefault(ep.url, START)
+                kind = await self.pool.detect(ep)
+                if kind not in (server_kind.SGLANG, server_kind.VLLM):
+                    # another OpenAI-style server (nothing to size from), or not known yet: a fixed share
+                    self.shares.setdefault(ep.url, START)
+                    continue
+                load = await (self._read(ep) if kind == server_kind.SGLANG else self._read_vllm(ep))
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, ConfigError) as exc:
+                self._cannot_read(ep, exc)
                 continue
+            if self._unreadable.pop(ep.url, None) is not None:
+                log.info("capacity: %s read again", ep.url)
             live = await self._live_workers(ep)
             self.targets[ep.url] = next_target(load, sum(live.values()))
             self.shares[ep.url] = max(1, my_share(self.targets[ep.url], list(live), self.name))
         self.apply(max(1, sum(self.shares.values())))
         return self.slots.limit
+
+    def _cannot_read(self, ep: Endpoint, exc: Exception) -> None:
+        """Keep the endpoint's share; say why once (again only when the reason changes)."""
+        self.shares.setdefault(ep.url, START)
+        why = str(exc) or type(exc).__name__
+        if self._unreadable.get(ep.url) != why:
+            self._unreadable[ep.url] = why
+            log.info("capacity: cannot read %s (%s); keeping its share %d", ep.url, why, self.shares[ep.url])
 
     def apply(self, limit: int) -> None:
         """Make ``limit`` the worker's requests in flight: resize its slots, weight endpoints."""

@@ -25,8 +25,11 @@ the worker logs it once, plainly, instead of failing every job.
 Each endpoint also counts its faults by reason (shared/server_faults.py): the worker publishes
 them, and ``budgetq status`` / ``produce`` say in one line why a fleet makes no progress.
 
-Whether an endpoint is SGLang (``Endpoint.sglang``) is asked once, from /server_info: only
-SGLang gets SGLang's own fields and defaults (rid, top_k -1, ...; worker/sglang_wire.py).
+What kind of server an endpoint is (``Endpoint.kind``: SGLang, vLLM or another OpenAI-style
+server, shared/server_kind.py) is asked once: /server_info answers for SGLang, which alone gets
+SGLang's own fields and defaults (rid, top_k -1, ...; worker/sglang_wire.py); for any other
+server, /v1/models says whether it is vLLM (``owned_by: "vllm"``) and which model it serves,
+the name its requests carry when ``server.model`` is not set (``Endpoint.model``).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from budgetq.shared import server_faults
+from budgetq.shared import server_faults, server_kind
 from budgetq.shared.config import ServerConfig
+from budgetq.shared.errors import ConfigError
 from budgetq.shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.endpoints")
@@ -67,16 +71,28 @@ class Endpoint:
     prompt_tokens: int = 0      # of answered requests
     cached_tokens: int = 0      # of those, found in the server's prefix cache
     faults: server_faults.EndpointFaults = field(default_factory=server_faults.EndpointFaults)
-    # None until asked (/server_info); True for SGLang (or api: generate, SGLang's own route).
-    sglang: bool | None = None
-    asked_at: float = 0.0       # when /server_info was last asked without an answer (monotonic)
+    # None until asked (/server_info, /v1/models); server_kind.SGLANG (also for api: generate,
+    # SGLang's own route), VLLM or OPENAI.
+    kind: str | None = None
+    model: str | None = None    # the model name its requests carry (server.model, else resolved)
+    # The server's own load as last read (worker/capacity.py, concurrency: auto): running, waiting,
+    # kv_cache_use (vLLM), slots (the running slots sized from), read_at (unix s); None until read.
+    load: dict | None = None
+    asked_at: float = 0.0       # when its kind was last asked without an answer (monotonic)
+    refused: str | None = None  # why its answer cannot be used (several models, no server.model)
     _probe: asyncio.Task | None = field(default=None, repr=False)
     _seed: bytes = field(default=b"", repr=False)
+
+    @property
+    def sglang(self) -> bool | None:
+        """Whether it is SGLang; None until asked."""
+        return None if self.kind is None else self.kind == server_kind.SGLANG
 
     def snapshot(self) -> dict:
         return {"healthy": self.healthy, "in_flight": self.in_flight, "failures": self.failures,
                 "ejected_since": self.ejected_since, "requests": self.requests, "errors": self.errors,
-                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "kind": self.kind, "model": self.model, "load": self.load}
 
 
 def _asked_lately(ep: Endpoint) -> bool:
@@ -106,6 +122,42 @@ def routing_key(payload: JobPayload, prefix_chars: int) -> bytes:
 def _rank(key: bytes, ep: Endpoint) -> bytes:
     """Rendezvous (highest random weight) score of ``ep`` for ``key``."""
     return hashlib.blake2b(key, digest_size=8, key=ep._seed).digest()
+
+
+def sglang_from_server_info(status: int, body: object) -> bool | None:
+    """Whether a server is SGLang, from its /server_info answer; None when that says nothing yet.
+
+    200 with SGLang's server args (``internal_states`` per DP rank, ``tp_size``): SGLang; a 404/405,
+    or a 200 without them: another server; another 4xx (an admin key refused): SGLang's route, as
+    before; a 5xx (a proxy's error page, a server still starting): ask again later."""
+    if status in (404, 405):
+        return False
+    if status == 200:
+        return isinstance(body, dict) and ("internal_states" in body or "tp_size" in body)
+    return True if status < 500 else None
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> tuple[int, object]:
+    async with session.get(url, headers=headers, timeout=_DETECT_TIMEOUT) as resp:
+        try:
+            return resp.status, await resp.json(content_type=None)
+        except ValueError:
+            return resp.status, None
+
+
+async def ask_kind(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> tuple[str, list[str]] | None:
+    """(kind, model ids) of the server at ``url``, or None while it gives no answer (module docstring).
+    The one detection: the worker's pool and ``budgetq check`` (sglang_client.probe_server) use it."""
+    status, info = await _get_json(session, url + "/server_info", headers)
+    sglang = sglang_from_server_info(status, info)
+    if sglang is None:
+        return None
+    if sglang:
+        return server_kind.SGLANG, []
+    status, models = await _get_json(session, url + "/v1/models", headers)
+    if status >= 500:
+        return None
+    return server_kind.kind_of_models(models if status == 200 else None)
 
 
 class EndpointPool:
@@ -160,46 +212,54 @@ class EndpointPool:
         ep.faults.ok()
 
     async def is_sglang(self, ep: Endpoint) -> bool | None:
-        """Whether ``ep`` is SGLang, asked once: its /server_info (SGLang's server args, with
-        ``internal_states`` per DP rank) answers a JSON object. Unknown (None) while it cannot be
-        reached (asked again after ``_DETECT_AGAIN_S``); api: generate is SGLang's own route, so
-        always True there."""
-        if self._server.api == "generate":
-            ep.sglang = True
-        if ep.sglang is not None:
-            return ep.sglang
+        """Whether ``ep`` is SGLang (``detect``); None while that is unknown."""
+        kind = await self.detect(ep)
+        return None if kind is None else kind == server_kind.SGLANG
+
+    async def detect(self, ep: Endpoint) -> str | None:
+        """``ep``'s kind, asked once (``ask_kind``), and the model its requests carry. Unknown (None)
+        while it cannot be reached (asked again after ``_DETECT_AGAIN_S``); api: generate is SGLang's
+        own route, so always SGLang there. ConfigError: it serves several models and server.model
+        is not set."""
+        if self._server.api == "generate" and ep.kind is None:
+            ep.kind, ep.model = server_kind.SGLANG, self._server.model or server_kind.SGLANG_MODEL
+        if ep.kind is not None:
+            return ep.kind
         if _asked_lately(ep):
+            if ep.refused is not None:
+                raise ConfigError(ep.refused)
             return None
         # The first requests to an endpoint come together: one asks, the others wait for its answer.
         async with self._detecting.setdefault(ep.url, asyncio.Lock()):
-            if ep.sglang is not None or _asked_lately(ep):
-                return ep.sglang
-            found = await self._ask_server_info(ep)
-            ep.asked_at = 0.0 if found is not None else time.monotonic()
-            return found
+            if ep.kind is not None or _asked_lately(ep):
+                return await self.detect(ep)
+            try:
+                found = await ask_kind(self.session, ep.url, self.headers)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.debug("endpoint %s: cannot ask what it is yet: %s", ep.url, exc)
+                found = None
+            ep.asked_at, ep.refused = time.monotonic(), None
+            if found is None:
+                return None
+            kind, ids = found
+            try:
+                model = server_kind.resolve_model(self._server.model, kind, ids, ep.url)
+            except ConfigError as exc:   # several models, no server.model: said again until it is set
+                ep.refused = str(exc)
+                raise
+            ep.kind, ep.model, ep.asked_at = kind, model, 0.0
+        if kind != server_kind.SGLANG:
+            how = "server.model" if self._server.model is not None else \
+                ("its /v1/models" if ids else "none listed on /v1/models: as for SGLang")
+            log.warning("endpoint %s is %s, not SGLang (no /server_info): sending only standard OpenAI fields and "
+                        "the sampling values set in the config or the model's generation_config.json; model %r (%s)",
+                        ep.url, server_kind.LABELS[kind], model, how)
+        return kind
 
-    async def _ask_server_info(self, ep: Endpoint) -> bool | None:
-        try:
-            async with self.session.get(ep.url + "/server_info", headers=self.headers, timeout=_DETECT_TIMEOUT) as resp:
-                if resp.status in (404, 405):
-                    ep.sglang = False
-                elif resp.status == 200:
-                    try:
-                        info = await resp.json(content_type=None)
-                    except ValueError:
-                        info = None
-                    ep.sglang = isinstance(info, dict) and ("internal_states" in info or "tp_size" in info)
-                elif resp.status < 500:  # there but refused (an admin key): SGLang's route, as before
-                    ep.sglang = True
-                else:  # a 5xx (a proxy's error page, a server still starting): ask again next time
-                    return None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.debug("endpoint %s: cannot ask /server_info yet: %s", ep.url, exc)
-            return None
-        if ep.sglang is False:
-            log.warning("endpoint %s is not SGLang (no /server_info): sending only standard OpenAI fields and the "
-                        "sampling values set in the config or the model's generation_config.json", ep.url)
-        return ep.sglang
+    async def detect_all(self) -> None:
+        """Ask every endpoint what it is, together (the worker's start): a server that serves several
+        models while server.model is not set stops the worker here, in one line (ConfigError)."""
+        await asyncio.gather(*(self.detect(ep) for ep in self.endpoints))
 
     def failure(self, ep: Endpoint, reason: str) -> None:
         ep.failures += 1

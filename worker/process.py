@@ -32,7 +32,8 @@ def _reply(payload: JobPayload, out: Completion) -> Message:
 
 
 def build_row(payload: JobPayload, out: turns.Result, model: str) -> ResultRow:
-    """The result row. regenerate: all: [system], user 1, answer 1, user 2, answer 2, ... as far
+    """The result row (``model``: if the answer does not say which model its request named).
+    regenerate: all: [system], user 1, answer 1, user 2, answer 2, ... as far
     as the conversation got (a cut answer ends it), every answer with its own reasoning, the
     layout SpecForge's scripts/regenerate_train_data.py writes for multi-turn rows."""
     if isinstance(out, turns.Conversation):
@@ -48,8 +49,8 @@ def build_row(payload: JobPayload, out: turns.Result, model: str) -> ResultRow:
     return ResultRow(
         id=id_text(payload.id), int_id=isinstance(payload.id, int), dataset=payload.dataset, conversations=conv,
         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-        finish_reason=out.finish_reason, model=model, endpoint=out.endpoint, latency_s=round(out.latency_s, 4),
-        turns=per_turn,
+        finish_reason=out.finish_reason, model=out.model or model, endpoint=out.endpoint,
+        latency_s=round(out.latency_s, 4), turns=per_turn,
     )
 
 

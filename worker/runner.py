@@ -294,7 +294,8 @@ class ConcurrentWorker:
                 return 1
 
     async def _start(self) -> bool:
-        """Wait for Redis (up to redis_wait_s), register with RQ, read the budgets. False if stopped first."""
+        """Wait for Redis (up to redis_wait_s), register with RQ, read the budgets, ask the servers what they
+        are (worker/endpoints.py). False if stopped first."""
         what = f"worker {self.name}"
         wait_s = self.cfg.redis_wait_s
         try:
@@ -303,6 +304,7 @@ class ConcurrentWorker:
             self.rq_worker = await retry_redis(lambda: self.sync(rq_adapter.register_worker, self.conn, self.name),
                                                "register", give_up_after_s=wait_s, stop=self.stopping)
             await retry_redis(self.control.tick, "read budgets", give_up_after_s=wait_s, stop=self.stopping)
+            await self.client.pool.detect_all()  # what each server is; several models, no server.model: exit
         except REDIS_DOWN as exc:
             if self.stopping.is_set():
                 return False

@@ -10,23 +10,24 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import aiohttp
 
-from budgetq.shared import server_faults
+from budgetq.shared import server_faults, server_kind
 from budgetq.shared.config import ServerConfig
 from budgetq.shared.errors import (
     AbortedResponseError,
     BadResponseError,
+    ConfigError,
     DuplicateRidError,
     FatalRequestError,
     RetryableRequestError,
 )
 from budgetq.shared.retry import backoff_s
 from budgetq.shared.schema import JobPayload
-from budgetq.worker.endpoints import Endpoint, EndpointPool, routing_key
+from budgetq.worker.endpoints import Endpoint, EndpointPool, ask_kind, routing_key
 from budgetq.worker.sglang_wire import (
     RETRYABLE_STATUS,
     Completion,
@@ -48,6 +49,8 @@ T = TypeVar("T")
 _DUPLICATE_RID = "Duplicate request ID"
 # /abort_request is best effort: a short timeout, and its failure changes nothing.
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# The servers that get the attempt's rid as X-Request-Id (``_post``).
+_RID_HEADER_KINDS = (server_kind.SGLANG, server_kind.VLLM)
 
 
 class SGLangClient:
@@ -74,7 +77,8 @@ class SGLangClient:
 
     @property
     def model(self) -> str:
-        return self._server.model
+        """The model name of a request to an endpoint not asked yet (each endpoint's own: ``Endpoint.model``)."""
+        return self._server.model or server_kind.SGLANG_MODEL
 
     @property
     def server(self) -> ServerConfig:
@@ -109,13 +113,20 @@ class SGLangClient:
 
         A transport failure is retryable; one that may have reached the server (a timeout, a
         dropped connection, a cancellation) also asks the server to abort ``rid``.
+
+        ``rid`` also goes as ``X-Request-Id`` to vLLM, which makes it its request id (``chatcmpl-<rid>``
+        in its log, its aborts and the answer's id: entrypoints/serve/engine/serving.py
+        ``_base_request_id``), and to SGLang, which reads no such header (a router or proxy in front
+        may log it). Not to another OpenAI-style server: llama-cpp-python's answers 400 to one that
+        is not a UUID (starlette_context's RequestIdPlugin validates it), a gateway may do the same.
         """
         ep.in_flight += 1
         ep.requests += 1
         started = time.monotonic()
+        headers = {**self._headers, "X-Request-Id": rid} if ep.kind in _RID_HEADER_KINDS or path == "/generate" \
+            else self._headers   # /generate is SGLang's own route
         try:
-            async with self._session.post(ep.url + path, json=body, headers=self._headers,
-                                          timeout=self._timeout) as resp:
+            async with self._session.post(ep.url + path, json=body, headers=headers, timeout=self._timeout) as resp:
                 return await read(resp, started)
         except aiohttp.ClientConnectorError as exc:  # never reached the server: nothing to abort
             self.pool.fault(ep, server_faults.transport_reason(exc), str(exc))
@@ -133,15 +144,19 @@ class SGLangClient:
     async def _once(self, ep: Endpoint, payload: JobPayload, rid: str) -> Completion:
         # Unknown (its /server_info gives no answer, e.g. a proxy's 5xx): only standard fields, as to
         # any OpenAI-style server; an SGLang-only value such a server refuses would fail the prompt.
-        sglang = await self.pool.is_sglang(ep)
-        path, body = build_request(self._server, payload, rid, sglang=sglang is True)
+        try:
+            kind = await self.pool.detect(ep)
+        except ConfigError as exc:  # several models and no server.model: no request can be right
+            raise FatalRequestError(str(exc)) from None
+        model = ep.model or self.model
+        path, body = build_request(self._server, payload, rid, sglang=kind == server_kind.SGLANG, model=model)
 
         async def read(resp: aiohttp.ClientResponse, started: float) -> Completion:
             try:
                 data = await resp.json(content_type=None)
             except ValueError:
                 data = await resp.text()
-            return self._read(ep, path, resp.status, data, started, resp.content_type)
+            return replace(self._read(ep, path, resp.status, data, started, resp.content_type), model=model)
 
         return await self._post(ep, path, body, rid, read)
 
@@ -237,6 +252,7 @@ class ServerInfo:
     model_path: str | None
     error: str | None = None
     max_model_len: int | None = None   # the context length /v1/models reports (SGLang, vLLM do)
+    kind: str | None = None            # shared/server_kind.py, asked as the worker asks (endpoints.ask_kind)
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> tuple[int, object]:
@@ -263,7 +279,9 @@ async def probe_server(server: ServerConfig, url: str, timeout_s: float = 5.0) -
             if status == 404:  # older servers only have the old name
                 status, info = await _get_json(session, url + "/get_model_info", headers)
             path = info.get("model_path") if status == 200 and isinstance(info, dict) else None
-            return ServerInfo(url, ids, str(path) if path else None, max_model_len=ctx)
+            found = await ask_kind(session, url, headers)
+            return ServerInfo(url, ids, str(path) if path else None, max_model_len=ctx,
+                              kind=found[0] if found else None)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return ServerInfo(url, [], None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 

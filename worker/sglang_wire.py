@@ -15,6 +15,7 @@ from budgetq.shared.config import ServerConfig
 from budgetq.shared.errors import AbortedResponseError, BadResponseError, FatalRequestError
 from budgetq.shared.sampling import explicit
 from budgetq.shared.schema import JobPayload
+from budgetq.shared.server_kind import SGLANG_MODEL
 
 # HTTP statuses worth another attempt (the client retries them; an abort carrying one is retried too).
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -60,6 +61,7 @@ class Completion:
     # Prompt tokens the server found in its prefix cache (SGLang: meta_info.cached_tokens on
     # /generate; usage.prompt_tokens_details.cached_tokens on chat with --enable-cache-report).
     cached_tokens: int = 0
+    model: str = ""             # the model name the request carried (the row's "model")
 
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
@@ -111,7 +113,8 @@ def invalid_request(status: int, body: object) -> bool:
     return bool(_INVALID_TEXT.search(error_message(body)))
 
 
-def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: bool = True) -> tuple[str, dict]:
+def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: bool = True,
+                  model: str | None = None) -> tuple[str, dict]:
     """Path and JSON body of one request, in SGLang's terms (``sglang``) or plain OpenAI ones.
 
     SGLang gets the same explicit sampling on both APIs (shared/sampling.py: its chat route
@@ -120,13 +123,15 @@ def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: b
     standard fields only, sampling fields only where set, and the token limit under both of
     OpenAI's names: llama.cpp's server reads ``max_tokens`` (it ignores max_completion_tokens
     and would generate to its context's end), newer servers ``max_completion_tokens``.
+    ``model``: the endpoint's model name (``Endpoint.model``); else ``server.model`` or ``default``.
     """
     sp = payload.sampling
     params: dict = dict(explicit(sp, sglang))
     if sp.stop is not None:
         params["stop"] = sp.stop
     if server.api == "chat":
-        body: dict = {"model": server.model, "messages": [m.model_dump() for m in payload.messages]}
+        body: dict = {"model": model or server.model or SGLANG_MODEL,
+                      "messages": [m.model_dump() for m in payload.messages]}
         if sglang:
             body.update({"max_completion_tokens": sp.max_tokens, **params, "rid": rid, "stream": False})
         else:

@@ -54,6 +54,10 @@ class Conversation:
         return self.outs[-1].endpoint
 
     @property
+    def model(self) -> str:
+        return self.outs[-1].model
+
+    @property
     def latency_s(self) -> float:
         return sum(o.latency_s for o in self.outs)
 

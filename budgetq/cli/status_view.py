@@ -10,6 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from budgetq.shared import server_kind
 from budgetq.shared.control import TOKEN_ACTIONS
 from budgetq.shared.status import format_duration, format_eta
 from budgetq.shared.tokens import format_tokens
@@ -156,18 +157,30 @@ def workers_table(snap: dict[str, Any]) -> Table:
 
 def endpoints_table(snap: dict[str, Any]) -> Table:
     t = Table(title="endpoints", title_justify="left")
-    for col in ("endpoint", "health", "in flight", "failures", "healthy / workers", "prompt cached"):
-        t.add_column(col, justify="left" if col in ("endpoint", "health") else "right", no_wrap=True)
+    for col in ("endpoint", "server", "health", "in flight", "failures", "healthy / workers", "prompt cached",
+                "running / waiting", "KV cache"):
+        t.add_column(col, justify="left" if col in ("endpoint", "server", "health") else "right", no_wrap=True)
     for e in snap["endpoints"]:
         health = (Text("unknown", style="dim") if e["healthy"] is None
                   else Text("healthy", style="green") if e["healthy"] else Text("down", style="red"))
         prompt = e.get("prompt_tokens", 0)
         cached = f"{e.get('cached_tokens', 0) / prompt:.0%}" if prompt else "-"   # share of prompt tokens
-        t.add_row(e["url"], health, f"{e['in_flight']:,}", f"{e['failures']:,}",
-                  f"{e['healthy_workers']} / {e['workers']}", cached)
+        load = e.get("load") or {}   # the server's own numbers, as a worker last read them (concurrency: auto)
+        queue = f"{load['running']:,} / {load['waiting']:,}" if load.get("running") is not None else "-"
+        kv = f"{load['kv_cache_use']:.0%}" if load.get("kv_cache_use") is not None else "-"
+        t.add_row(e["url"], server_label(e), health, f"{e['in_flight']:,}", f"{e['failures']:,}",
+                  f"{e['healthy_workers']} / {e['workers']}", cached, queue, kv)
     if not snap["endpoints"]:
-        t.add_row("(none reported)", "", "", "", "", "")
+        t.add_row("(none reported)", *[""] * 8)
     return t
+
+
+def server_label(e: dict[str, Any]) -> str:
+    """``vLLM smollm2``: the server's kind and the model its requests name (``-`` until a worker asked)."""
+    if e.get("kind") is None:
+        return "-"
+    label = server_kind.LABELS.get(e["kind"], e["kind"])
+    return f"{label} {e['model']}" if e.get("model") else label
 
 
 def control_value(action: str | None, value: str | None) -> str:

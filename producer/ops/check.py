@@ -26,11 +26,12 @@ from budgetq.producer.reading.reader import DUPLICATE, Invalid, Prompt, read_pro
 from budgetq.producer.reading.tally import RowTally
 from budgetq.producer.run import disk_guard
 from budgetq.producer.run.disk_guard import MB
-from budgetq.shared import keys
+from budgetq.shared import keys, server_kind
 from budgetq.shared.config import Config, DatasetConfig
-from budgetq.shared.errors import BudgetqError
+from budgetq.shared.errors import BudgetqError, ConfigError
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import connect_once, describe
+from budgetq.shared.server_kind import SGLANG_MODEL
 from budgetq.shared.tokens import format_tokens
 
 # "row 12: field 'prompt' is empty" and "field 'prompt' is empty" are one reason; so are
@@ -212,12 +213,14 @@ class ServerCheck:
     models: list[str]
     model_path: str | None
     error: str | None = None
+    kind: str | None = None         # shared/server_kind.py: sglang, vllm, openai (None: not known)
+    model: str | None = None        # the model its requests will name, when resolved (server.model unset)
 
 
-def model_matches(configured: str, models: list[str], model_path: str | None) -> bool:
+def model_matches(configured: str | None, models: list[str], model_path: str | None) -> bool:
     """``server.model`` names what the server serves: a /v1/models id, its model_path, or the
-    path's last part. ``default`` (budgetq's default) accepts whatever one model it serves."""
-    if configured == "default":
+    path's last part. ``default`` (any name, to SGLang) and unset accept whatever one model it serves."""
+    if configured in (None, SGLANG_MODEL):
         return True
     names = set(models)
     if model_path:
@@ -225,18 +228,24 @@ def model_matches(configured: str, models: list[str], model_path: str | None) ->
     return configured in names
 
 
-Probe = Callable[[str], Any]  # url -> object with .models, .model_path, .error (worker.sglang_client.ServerInfo)
+Probe = Callable[[str], Any]  # url -> object with .models, .model_path, .error, .kind (worker.sglang_client.ServerInfo)
 
 
 def check_server(cfg: Config, url: str, probe: Probe) -> ServerCheck:
     info = probe(url)
     if info.error:
         return ServerCheck(url, False, [], None, info.error)
+    kind = getattr(info, "kind", None)
     if not model_matches(cfg.server.model, info.models, info.model_path):
         served = ", ".join(repr(m) for m in info.models) or repr(info.model_path)
         return ServerCheck(url, False, info.models, info.model_path,
-                           f"server.model {cfg.server.model!r} is not what it serves ({served})")
-    return ServerCheck(url, True, info.models, info.model_path)
+                           f"server.model {cfg.server.model!r} is not what it serves ({served})", kind)
+    try:  # the worker's rule: unset, a server that is not SGLang gets the one model it lists
+        model = server_kind.resolve_model(cfg.server.model, kind or server_kind.OPENAI, info.models, url)
+    except ConfigError as exc:
+        return ServerCheck(url, False, info.models, info.model_path, str(exc), kind)
+    return ServerCheck(url, True, info.models, info.model_path, None, kind,
+                       model if cfg.server.model is None and kind != server_kind.SGLANG else None)
 
 
 @dataclass
@@ -356,6 +365,10 @@ def format_report(r: CheckReport) -> str:
     lines.append(f"redis {rd.url}: " + ("OK" if rd.ok else f"FAILED: {rd.error}"))
     for s in r.servers:
         served = ", ".join(s.models) or (s.model_path or "?")
+        if s.kind not in (None, server_kind.SGLANG):
+            served += f" ({server_kind.LABELS[s.kind]})"
+        if s.model is not None:
+            served += f"; requests name {s.model!r} (server.model unset)"
         lines.append(f"server {s.url}: " + (f"OK, serves {served}" if s.ok else f"FAILED: {s.error}"))
     if r.est_s is not None:
         lines.append(f"all datasets: ~{_duration(r.est_s)} at {r.tok_s:,.0f} tok/s")

@@ -137,9 +137,31 @@ class SnapshotCollector:
             e_prompt.add_metric([e["url"]], float(e.get("prompt_tokens", 0)))
             e_cached.add_metric([e["url"]], float(e.get("cached_tokens", 0)))
         yield from (e_prompt, e_cached)
+        yield from _server_load(self.snap["endpoints"])
         yield from _faults(self.snap["server_faults"])
         yield GaugeMetricFamily("budgetq_snapshot_timestamp_seconds", "Redis time of this snapshot.",
                                 value=float(self.snap["generated_at"]))
+
+
+def _server_load(endpoints: list[dict[str, Any]]) -> Iterator[Metric]:
+    """What each server is, and its own load as a worker last read it (absent until one did)."""
+    info = GaugeMetricFamily("budgetq_endpoint_server_info", "1 per endpoint a worker has asked: its kind "
+                             "(sglang, vllm, openai) and the model its requests name.",
+                             labels=["endpoint", "kind", "model"])
+    running = GaugeMetricFamily("budgetq_endpoint_server_running", "Requests the server runs (all clients), "
+                                "as last read (SGLang /v1/loads, vLLM /metrics).", labels=["endpoint"])
+    waiting = GaugeMetricFamily("budgetq_endpoint_server_waiting", "Requests waiting at the server (all "
+                                "clients), as last read.", labels=["endpoint"])
+    kv = GaugeMetricFamily("budgetq_endpoint_kv_cache_usage", "The server's KV cache use, 0..1 (vLLM), as last "
+                           "read.", labels=["endpoint"])
+    for e in endpoints:
+        if e.get("kind"):
+            info.add_metric([e["url"], e["kind"], e.get("model") or ""], 1.0)
+        load = e.get("load") or {}
+        for family, key in ((running, "running"), (waiting, "waiting"), (kv, "kv_cache_use")):
+            if load.get(key) is not None:
+                family.add_metric([e["url"]], float(load[key]))
+    yield from (info, running, waiting, kv)
 
 
 def _faults(views: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.errors import ConfigError
+from budgetq.shared.server_kind import SGLANG_MODEL
 
 # The fields that decide what a generated row looks like: a change means rows of one file
 # were generated in two different ways.
@@ -40,7 +41,8 @@ def current(cfg: Config, ds: DatasetConfig) -> dict[str, Any]:
     return {
         "dataset": ds.name,
         "sampling": ds.sampling.model_dump(mode="json"),
-        "model": cfg.server.model,
+        # unset: "default", as recorded before it could be unset (rows say which model each server was asked for)
+        "model": cfg.server.model or SGLANG_MODEL,
         "server": {"urls": list(cfg.server.urls), "api": cfg.server.api},
         "tokenizer": cfg.server.tokenizer,
         "chat_template_kwargs": ds.chat_template_kwargs,
