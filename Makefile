@@ -46,11 +46,11 @@ demo: $(BIN)/budgetq
 # Most of a test's time is spent waiting on child processes, so more processes than cores pays.
 TEST_WORKERS ?= 4
 
-# --dist loadgroup: the tests marked xdist_group("vllm") share one process, so one vLLM server.
+# The vLLM tests of every process share one server (tests/conftest.py `vllm`).
 test: $(BIN)/budgetq $(VLLM_VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 lint: $(BIN)/budgetq
 	$(BIN)/ruff check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 
 import pytest
@@ -54,14 +55,45 @@ def sim_factory():
         s.stop()
 
 
+def _run_dir(config: pytest.Config) -> Path:
+    """A directory every pytest process of this run shares and no other run sees: the run's
+    basetemp (the controller's, or the parent of an xdist worker's ``popen-gwN``)."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    return base.parent if hasattr(config, "workerinput") else base
+
+
 @pytest.fixture(scope="session")
-def vllm():
-    """One real vLLM server (its CPU build, SmolLM2-135M) per test session (tests/vllm_server.py).
+def vllm(request):
+    """One real vLLM server (its CPU build, SmolLM2-135M) for the whole test run, shared by every
+    pytest-xdist process (tests/vllm_server.py ``shared_server``); stopped when the run ends."""
+    from tests.vllm_server import shared_server
 
-    Tests that use it carry ``pytest.mark.xdist_group("vllm")`` and the suite runs with
-    ``--dist loadgroup``, so they share one pytest-xdist process and this one server."""
-    from tests.vllm_server import VllmServer, smollm2_hf_dir
+    return shared_server(_run_dir(request.config))
 
-    server = VllmServer(smollm2_hf_dir(), "--max-model-len", "2048", "--enable-log-requests")
-    yield server
-    server.stop()
+
+@pytest.fixture
+def vllm_alone(vllm, request):
+    """The run's vLLM server with no other test's requests on it: for a test that reads the
+    engine's own gauges (num_requests_running). Other vLLM tests hold the same lock shared."""
+    with open(_run_dir(request.config) / "vllm-server.use", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield vllm
+
+
+@pytest.fixture(autouse=True)
+def _vllm_shared_use(request):
+    """Tests that use the shared server (but not alone) hold its use lock shared."""
+    if "vllm" not in request.fixturenames or "vllm_alone" in request.fixturenames:
+        yield
+        return
+    with open(_run_dir(request.config) / "vllm-server.use", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        yield
+
+
+def pytest_sessionfinish(session):
+    """The process that outlives the others (xdist's controller, or pytest alone) stops the server."""
+    if not hasattr(session.config, "workerinput"):
+        from tests.vllm_server import stop_shared
+
+        stop_shared(_run_dir(session.config))

@@ -12,13 +12,10 @@ import json
 import re
 import subprocess
 
-import pytest
-
 from budgetq.shared.identity import job_id
 from tests.helpers import PY, ROOT, Procs, rows, wait_for, write_config, write_dataset
 from tests.vllm_server import MODEL_NAME
 
-pytestmark = pytest.mark.xdist_group("vllm")
 PROMPTS, MAX_TOKENS = 8, 16
 
 

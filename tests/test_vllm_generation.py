@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct (tests/vllm_server.py; the ``vllm`` session fixture).
 Everything else in the suite meets budgetq's own simulator or llama.cpp's server; here the
 scheduler, the token counts and the abort rules are vLLM's own. Each test ends with every prompt in
 exactly one place, ``used`` equal to the rows' tokens and the ledger balanced. Token counts are kept
-small (a few hundred a test): on a loaded 2-core machine vLLM generates ~50-250 tok/s.
+small (a few hundred a test): on a loaded 2-core machine vLLM generates ~10-250 tok/s. Every
+pytest process of the run shares the one server (tests/conftest.py ``vllm``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-
-import pytest
 
 from budgetq.shared import keys
 from tests.helpers import (
@@ -33,8 +32,6 @@ from tests.helpers import (
     write_dataset,
 )
 from tests.vllm_server import MODEL_NAME
-
-pytestmark = pytest.mark.xdist_group("vllm")
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2, "concurrency": 8}
 PROMPT = "Write a short poem about the number {i}."
@@ -101,7 +98,9 @@ def test_soft_and_strict_budgets_land_and_the_rows_sum_to_used(tmp_path, redis_u
     assert _metric(vllm, "vllm:generation_tokens_total") - generated_before >= s["used"] + t["used"]
 
 
-def test_pause_abort_in_flight_stops_the_engines_requests_then_resume_and_raise(tmp_path, redis_url, conn, vllm):
+def test_pause_abort_in_flight_stops_the_engines_requests_then_resume_and_raise(tmp_path, redis_url, conn,
+                                                                             vllm_alone):
+    vllm = vllm_alone  # it reads the engine's own num_requests_running: no other test's requests on it
     spec, ids = _dataset(tmp_path, "A", 60, budget=200)
     cfg = _config(tmp_path, redis_url, vllm, [spec], producer={"progress": "off"})
     procs = Procs(cfg, tmp_path)

