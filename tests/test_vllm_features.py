@@ -248,3 +248,50 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
     assert sorted(seen) == sorted(ids)
     refs = sf.OfflineManifestReader(str(target), run_id="budgetq", validate_files=True).read()
     assert len(refs) == 10 and all(r.num_tokens > 0 for r in refs)
+
+
+def test_produce_with_capture_features_on_vllm(hs_server, reference, tmp_path, redis_url, conn, sim_factory):
+    """capture: features in `budgetq produce`, the features jobs on vLLM (features.server.urls), generation on the
+    simulator (a server started for hidden states writes a file for every request it serves: generation goes
+    elsewhere). Every row generated once, captured once, in exactly one shard, close to transformers' pass."""
+    from tests.helpers import check_invariants, write_dataset
+
+    url, model = hs_server
+    _, fp32, _ = reference
+    sim = sim_factory("--speedup", "50", "--length-mean", "12")
+    ids = write_dataset(tmp_path / "A.jsonl", 6)
+    store = tmp_path / "store"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "redis_url": redis_url, "output_dir": str(tmp_path / "out"),
+        "server": {"urls": [sim], "model": MODEL_NAME, "tokenizer": str(model)},
+        "worker": {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "concurrency": 4},
+        "producer": {"progress": "off"},
+        "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
+                     "server": {"urls": [url]}},
+        "datasets": [{"name": "A", "path": str(tmp_path / "A.jsonl"), "budget": "1M", "capture": "features",
+                      "id_field": "id", "sampling": {"max_tokens": 16}, "prior_mean_tokens": 12}]}))
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.worker()
+        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                             text=True, timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "hidden states A: 6 samples on disk (6 captured this run, 0 failed" in res.stdout, res.stdout
+    finally:
+        procs.stop_all()
+    check_invariants(conn, tmp_path / "out", "A", ids)
+    exactly_once(store, ids)
+    d = features_dir(store, "A")
+    from budgetq.hidden_states.store.safetensors_io import read_tensor
+
+    for row in index_rows(d / "index.jsonl"):
+        n = len(row["input_ids"])
+        t = read_tensor(d / row["shard"], f"{row['key']}.hidden_state")
+        a = read_tensor(d / row["shard"], f"{row['key']}.aux_hidden_state")
+        mine, want = blocks(t.data, a.data, n), want_blocks(fp32(row["input_ids"]))
+        for name in want:
+            c = cosines(mine[name], want[name])
+            assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
+    res = run_features(cfg, "--check")
+    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
