@@ -108,4 +108,9 @@ class FeaturesConfig(Strict):
             raise ValueError("features.backend vllm needs features.model.path (the served model's local directory: "
                              "its config.json gives the layers, its checkpoint the final norm) and features.store "
                              "(a directory the vLLM servers, the features workers and `budgetq features` all see)")
+        if self.backend == "vllm" and not self.server.urls:
+            raise ValueError("features.backend vllm needs features.server.urls: the vLLM servers started with "
+                             "`budgetq features --server-flags` (such a server writes a file for every request it "
+                             "serves, generation too, and vLLM's CPU build samples wrongly at temperature > 0 in "
+                             "this mode: list the generation servers there only on purpose)")
         return self

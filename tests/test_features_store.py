@@ -209,7 +209,7 @@ def test_server_flags_and_layer_ids(tmp_path):
         layout_for(d, [30])
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"features": {"backend": "vllm", "store": str(tmp_path / "s"),
-                                                "model": {"path": str(d)}},
+                                                "model": {"path": str(d)}, "server": {"urls": ["http://h:8000"]}},
                                    "datasets": [{"name": "A", "path": "x.jsonl", "budget": "1k"}]}))
     res = subprocess.run([*PY, "features", "-c", str(cfg), "--server-flags"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
@@ -218,6 +218,8 @@ def test_server_flags_and_layer_ids(tmp_path):
         from budgetq.shared.config import Config
 
         Config.model_validate({"features": {"backend": "vllm", "model": {"path": str(d)}}})
+    with pytest.raises(ValueError, match="features.backend vllm needs features.server.urls"):
+        Config.model_validate({"features": {"backend": "vllm", "model": {"path": str(d)}, "store": "/s"}})
 
 
 def _engine_file(path: Path, ids: list[int], x: np.ndarray) -> None:

@@ -110,9 +110,9 @@ def want_blocks(hs: list[np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def vllm_config(url: str, model: Path, store: Path, **extra) -> Config:
-    return Config.model_validate({"server": {"urls": [url], "model": MODEL_NAME, "tokenizer": str(model)},
+    return Config.model_validate({"server": {"model": MODEL_NAME, "tokenizer": str(model)},
                                   "features": {"backend": "vllm", "store": str(store), "model": {"path": str(model)},
-                                               **extra}})
+                                               "server": {"urls": [url]}, **extra}})
 
 
 def test_hidden_states_equal_transformers_at_the_same_layers(hs_server, reference, tmp_path):
@@ -190,8 +190,10 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({
         "redis_url": redis_url, "output_dir": str(tmp_path / "out"),
-        "server": {"urls": [url], "model": MODEL_NAME, "tokenizer": str(model)}, "worker": {"heartbeat_ttl_s": 2},
-        "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)}},
+        "server": {"urls": ["http://127.0.0.1:9"], "model": MODEL_NAME, "tokenizer": str(model)},
+        "worker": {"heartbeat_ttl_s": 2},
+        "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
+                     "server": {"urls": [url]}},
         "datasets": [{"name": "A", "path": str(tmp_path / "none.jsonl"), "budget": "1k"}]}))
     ids = write_rows(tmp_path / "out", "A", 10)
     index = features_dir(store, "A") / "index.jsonl"
