@@ -62,11 +62,13 @@ async def wait_written(path: str, wait_s: float) -> None:
         if os.path.exists(lock):
             fd = os.open(lock, os.O_RDONLY)
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            except OSError:    # a volume without working locks (ENOLCK): whole by its size, then
+                if _whole(path):
                     return
-                except BlockingIOError:
-                    pass
             finally:
                 os.close(fd)   # releases a lock taken: the file is whole, nobody writes it again
         elif _whole(path):
