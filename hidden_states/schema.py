@@ -34,9 +34,14 @@ class FeaturesPayload(BaseModel):
 
 
 class FeaturesMeta(FeaturesPayload):
-    """The ``meta`` field of a features results-stream entry; ``data`` holds the tensor's bytes."""
+    """The ``meta`` field of a features results-stream entry; ``data`` holds the tensor's bytes, or, with
+    features.store, ``shard`` names the file the worker wrote (an index message: no bytes in Redis)."""
 
     shape: list[int]
     # Set when an aux server answered too (features.server.aux_urls): the stream entry's ``aux`` field.
     aux_shape: list[int] | None = None
     endpoint: str = ""
+    # features.store: the worker wrote the sample's shard itself (this file name, in the dataset's features
+    # directory, this many bytes); the stream entry then carries no tensor bytes, only this message.
+    shard: str | None = None
+    shard_bytes: int | None = None

@@ -55,12 +55,27 @@ class FeaturesModelConfig(Strict):
     trust_remote_code: bool = False
 
 
+class FeaturesVllmConfig(Strict):
+    """The ``vllm`` capture backend (hidden_states/capture/vllm_backend.py): prefills on vLLM servers started
+    with ``budgetq features --server-flags``, whose engine writes each sample's layers to a file in features.store."""
+
+    # How long a worker waits for the engine to finish writing a file it has named (its .lock).
+    file_wait_s: float = Field(default=600.0, gt=0)
+
+
 class FeaturesConfig(Strict):
     server: FeaturesServerConfig = Field(default_factory=FeaturesServerConfig)
     # How features workers get hidden states: http (prefills on SGLang servers started with
-    # --enable-return-hidden-states) or transformers (the worker loads features.model and runs it itself).
-    backend: Literal["http", "transformers"] = "http"
+    # --enable-return-hidden-states), transformers (the worker loads features.model and runs it itself) or
+    # vllm (prefills on vLLM servers started with `budgetq features --server-flags`; needs features.store).
+    backend: Literal["http", "transformers", "vllm"] = "http"
     model: FeaturesModelConfig | None = None
+    # A directory that the features workers and `budgetq features` (and, for backend vllm, the vLLM servers)
+    # all see at this same path (NFS, Lustre, or one path on one box). Set: the workers write the shards
+    # there themselves and Redis carries only index messages; None: the tensors travel through Redis
+    # to the collector, which writes them under output_dir (workers need no shared volume).
+    store: str | None = Field(default=None, min_length=1)
+    vllm: FeaturesVllmConfig = Field(default_factory=FeaturesVllmConfig)
     # How hidden states are stored: float16, or bfloat16 (the models' own dtype; no overflow).
     dtype: Literal["float16", "bfloat16"] = "bfloat16"
     # A shard (out/<ds>/features/<n>.safetensors) is closed and written once it holds this much.
@@ -89,4 +104,13 @@ class FeaturesConfig(Strict):
         if self.backend == "transformers" and self.model is None:
             raise ValueError("features.backend transformers needs features.model.path (a local model directory "
                              "or a hub id)")
+        if self.backend == "vllm" and (self.model is None or self.store is None):
+            raise ValueError("features.backend vllm needs features.model.path (the served model's local directory: "
+                             "its config.json gives the layers, its checkpoint the final norm) and features.store "
+                             "(a directory the vLLM servers, the features workers and `budgetq features` all see)")
+        if self.backend == "vllm" and not self.server.urls:
+            raise ValueError("features.backend vllm needs features.server.urls: the vLLM servers started with "
+                             "`budgetq features --server-flags` (such a server writes a file for every request it "
+                             "serves, generation too, and vLLM's CPU build samples wrongly at temperature > 0 in "
+                             "this mode: list the generation servers there only on purpose)")
         return self

@@ -87,16 +87,18 @@ def smollm2_hf_dir() -> Path:
 class VllmServer:
     """``vllm serve MODEL`` (the CPU build, eager mode, bf16) on a free port; ``url``, ``log()``, ``stop()``."""
 
-    def __init__(self, model_dir: Path, *flags: str, kv_cache_gib: int = 1) -> None:
+    def __init__(self, model_dir: Path, *flags: str, kv_cache_gib: int = 1, env: dict[str, str] | None = None) -> None:
         self.model_dir = model_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = Path(tempfile.mkdtemp(prefix="budgetq-vllm-"))
         self.log_path = self.home / "server.log"
+        extra_env = env
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), TMPDIR=str(self.home / "tmp"),
                    VLLM_CACHE_ROOT=str(self.home / "cache"), VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
                    PYTHONUNBUFFERED="1")
         env.pop("PYTHONPATH", None)     # the server runs on its own venv's packages, not the suite's
+        env.update(extra_env or {})     # e.g. PYTHONPATH to a connector module of the tests' own
         (self.home / "tmp").mkdir()
         cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--enforce-eager",

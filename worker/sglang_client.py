@@ -293,7 +293,7 @@ async def probe_server(server: ServerConfig, url: str, timeout_s: float = 5.0) -
 class HiddenStatesClient(SGLangClient):
     """The same client (endpoint pool, retries, rids, aborts) with one more request kind."""
 
-    async def _prefill_once(self, ep: Endpoint, input_ids: list[int], rid: str) -> RawResponse:
+    async def _raw_once(self, ep: Endpoint, path: str, body: dict, rid: str) -> RawResponse:
         async def read(resp: aiohttp.ClientResponse, started: float) -> RawResponse:
             data = await resp.read()
             if resp.status != 200:
@@ -301,13 +301,23 @@ class HiddenStatesClient(SGLangClient):
                     detail: object = json.loads(data)
                 except ValueError:
                     detail = data.decode(errors="replace")
-                self._read(ep, "/generate", resp.status, detail, started, resp.content_type)  # raises
+                self._read(ep, path, resp.status, detail, started, resp.content_type)  # raises on >= 400
+                raise BadResponseError(f"{ep.url}{path}: HTTP {resp.status}")
             self.pool.answered(ep)
             return RawResponse(data, ep.url, time.monotonic() - started)
 
-        return await self._post(ep, "/generate", prefill_body(input_ids, rid), rid, read)
+        return await self._post(ep, path, body, rid, read)
 
     async def prefill_hidden_states(self, input_ids: list[int], job_id: str) -> RawResponse:
         """POST the prefill with retries on transient failures (as ``complete``); the body stays raw."""
-        _ep, out = await self._attempts(job_id, lambda ep: self._prefill_once(ep, input_ids, attempt_rid(job_id)))
+        def once(ep: Endpoint) -> Awaitable[RawResponse]:
+            rid = attempt_rid(job_id)
+            return self._raw_once(ep, "/generate", prefill_body(input_ids, rid), rid)
+
+        _ep, out = await self._attempts(job_id, once)
+        return out
+
+    async def post_raw(self, path: str, body: dict, job_id: str) -> RawResponse:
+        """POST ``body`` to ``path`` (the vllm capture backend's /v1/completions prefill) with the same retries."""
+        _ep, out = await self._attempts(job_id, lambda ep: self._raw_once(ep, path, body, attempt_rid(job_id)))
         return out

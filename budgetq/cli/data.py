@@ -24,8 +24,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     for name in names:
         if args.format == "specforge-offline":  # hidden states: from the features shards
             from budgetq.hidden_states.collect.export import export_specforge_offline, offline_note
+            from budgetq.hidden_states.store.shards import features_root
 
-            off = export_specforge_offline(cfg.output_dir, name, dest / f"{name}.specforge-offline")
+            off = export_specforge_offline(features_root(cfg), name, dest / f"{name}.specforge-offline")
             print(f"{name}: {off.written} files -> {off.target} ({off.kept} already there){offline_note(off)}")
             continue
         source = cfg.output_dir / f"{name}.jsonl"

@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from budgetq.cli.common import load, open_redis, positive_int, with_config
@@ -26,6 +27,8 @@ def cmd_features(args: argparse.Namespace) -> int:
     from budgetq.hidden_states.collect.features_pass import FeaturesPass
 
     cfg = load(args)
+    if args.server_flags:
+        return print_server_flags(cfg)
     conn = open_redis(cfg, "features", cfg.redis_wait_s)
     if conn is None:
         return 1
@@ -57,6 +60,20 @@ def cmd_features(args: argparse.Namespace) -> int:
     if rep.stopped_by:
         print(f"budgetq: features: admissions stopped: {rep.stopped_by}", file=sys.stderr)
     return 0 if rep.ok and (args.follow or not fp.stop.is_set()) else 1
+
+
+def print_server_flags(cfg: Config) -> int:
+    """``budgetq features --server-flags``: the ``vllm serve`` flags for features.backend vllm (layer ids from
+    features.model.path's config.json, files under features.store)."""
+    from budgetq.hidden_states.capture.vllm_layout import flags_line, server_flags
+
+    f = cfg.features
+    if f.model is None or f.store is None:
+        print("budgetq: features --server-flags needs features.model.path (the served model's directory) and "
+              "features.store (where the engine writes)", file=sys.stderr)
+        return 2
+    print(flags_line(server_flags(Path(f.model.path), f.model.aux_layers, f.store)))
+    return 0
 
 
 def cmd_features_worker(args: argparse.Namespace) -> int:
@@ -182,6 +199,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--check", action="store_true", help="verify rows <-> index <-> shards <-> Redis, change nothing")
     sp.add_argument("--fix", action="store_true", help="with --check: set the Redis done set to what is on disk")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--server-flags", action="store_true",
+                    help="print the `vllm serve` flags for features.backend vllm (layers from features.model.path, "
+                         "files under features.store) and exit")
     sp.set_defaults(func=cmd_features)
     sp = with_config(sub.add_parser("features-worker", help="run a features worker (prefill requests)"))
     sp.add_argument("--concurrency", type=positive_int, help="overrides features.concurrency")

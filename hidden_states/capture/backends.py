@@ -9,7 +9,9 @@ last layer (and EAGLE-3's aux layers) out, as little-endian float16/bfloat16 byt
   JSON answers decoded in a process pool (hidden_states/capture/decode.py);
 - ``transformers`` (hidden_states/capture/transformers_backend.py): the target loaded once in this process, samples
   packed into batches by token count, one forward pass with hooks on exactly the layers needed,
-  tensors kept as tensors (no JSON anywhere).
+  tensors kept as tensors (no JSON anywhere);
+- ``vllm`` (hidden_states/capture/vllm_backend.py): one prefill per sample on vLLM servers whose engine writes
+  the layers to a file in features.store; the worker checks it and applies the final norm.
 
 An in-process SGLang backend (its ModelRunner driven directly, as SpecForge's offline capture
 does, for models too big for transformers) would be a third ``CaptureBackend``: ``capture``
@@ -26,21 +28,16 @@ from multiprocessing import get_context
 
 import aiohttp
 
-from budgetq.hidden_states.capture.captured import CaptureBackend, Captured
+from budgetq.hidden_states.capture.captured import CaptureBackend, Captured, features_server
 from budgetq.hidden_states.capture.decode import HiddenStatesError, decode
 from budgetq.hidden_states.capture.transformers_backend import TransformersBackend
+from budgetq.hidden_states.capture.vllm_backend import VllmBackend
 from budgetq.hidden_states.schema import FeaturesPayload
-from budgetq.shared.config import Config, ServerConfig
+from budgetq.shared.config import Config
 from budgetq.worker.sglang_client import HiddenStatesClient
 
 # Before the first response: JSON bytes per token of a 4096-wide model (~11 characters a float).
 FIRST_GUESS_JSON_BYTES_PER_TOKEN = 4096 * 11
-
-
-def features_server(cfg: Config) -> ServerConfig:
-    """features.server.urls when given (servers started with the hidden-states flag), else server.urls."""
-    urls = cfg.features.server.urls
-    return cfg.server.model_copy(update={"urls": urls}) if urls else cfg.server
 
 
 class HttpBackend:
@@ -113,4 +110,6 @@ def make_backend(cfg: Config, decode_processes: int | None = None) -> CaptureBac
     """The backend features.backend names (the transformers one imports torch when it starts)."""
     if cfg.features.backend == "transformers":
         return TransformersBackend(cfg)
+    if cfg.features.backend == "vllm":
+        return VllmBackend(cfg)
     return HttpBackend(cfg, decode_processes)

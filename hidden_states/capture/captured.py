@@ -1,13 +1,22 @@
 """What a capture backend hands the features worker (``Captured``) and what the worker asks of one
-(``CaptureBackend``): backends.py (http) and transformers_backend.py (transformers) implement it."""
+(``CaptureBackend``): backends.py (http), transformers_backend.py (transformers) and vllm_backend.py (vllm)
+implement it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from budgetq.hidden_states.schema import FeaturesPayload
+from budgetq.shared.config import Config, ServerConfig
+
+
+def features_server(cfg: Config) -> ServerConfig:
+    """features.server.urls when given (servers started for hidden states), else server.urls."""
+    urls = cfg.features.server.urls
+    return cfg.server.model_copy(update={"urls": urls}) if urls else cfg.server
 
 
 @dataclass
@@ -20,6 +29,17 @@ class Captured:
     aux: bytes | memoryview | None = None
     aux_shape: list[int] | None = None
     endpoint: str = ""
+    # Files the capture read (the vllm backend: the engine's file and its .lock): removed once the sample is
+    # in a shard, or when its job fails.
+    raw_files: list[str] = field(default_factory=list)
+
+    def remove_raw_files(self) -> None:
+        for path in self.raw_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.raw_files = []
 
     @property
     def nbytes(self) -> int:

@@ -6,7 +6,8 @@ jobs of the ``bq-<ds>-features`` queues with the same claim/finish/requeue scrip
 (hidden_states/capture/backends.py: ``http`` prefills on SGLang servers and decodes their JSON;
 ``transformers`` runs the model in this process, transformers_backend.py) and XADDs the tensor bytes
 to the dataset's features stream, where the producer-side collector (hidden_states/collect/features_pass.py) writes
-shards: workers need no shared filesystem.
+shards: workers need no shared filesystem. With ``features.store`` (a volume the collector sees too) the worker
+writes the sample's shard there itself and XADDs only an index message (``deliver``).
 
 Memory is bounded twice: this process holds at most ``features.worker_max_mb`` of responses and
 decoded tensors (claims wait; one job is always allowed), and it claims nothing for a dataset
@@ -34,6 +35,7 @@ from budgetq.hidden_states.capture.backends import HttpBackend, features_server,
 from budgetq.hidden_states.capture.captured import CaptureBackend, Captured
 from budgetq.hidden_states.capture.decode import HiddenStatesError
 from budgetq.hidden_states.schema import FeaturesMeta, FeaturesPayload
+from budgetq.hidden_states.store.shards import WORKER_CRASH_ENV, features_dir, features_root, write_sample_shard
 from budgetq.shared import jobs, keys
 from budgetq.shared.config import Config
 from budgetq.shared.config_load import load_config
@@ -173,7 +175,13 @@ class FeaturesWorker:
                 await self._finish(h, jobs.JobEnd.failed(str(exc)))
                 return
             self._hold(h, got.nbytes)
-            await xadd_result(self.aconn, payload, got)
+            try:
+                await deliver(self.aconn, self.cfg, payload, got)
+            except OSError as exc:  # features.store full or unreachable: this job fails, saying so
+                got.remove_raw_files()
+                log.warning("features job %s failed: %s", h.claimed.job_id, exc)
+                await self._finish(h, jobs.JobEnd.failed(f"writing the shard to features.store failed: {exc}"))
+                return
             shape = got.shape
             del got
             # A kill here leaves the entry in the stream and the job started: its lease lapses, it
@@ -261,15 +269,30 @@ class FeaturesWorker:
         return 0
 
 
-async def xadd_result(conn: Any, payload: FeaturesPayload, got: Captured) -> None:
-    """The sample's bytes to its dataset's results stream, and its size to the pending counter, in one MULTI."""
+async def deliver(conn: Any, cfg: Config, payload: FeaturesPayload, got: Captured) -> None:
+    """The sample to the collector. Without features.store: its bytes through the results stream. With it: its
+    shard written in the store (tmp, fsync, rename), the engine's raw files removed, then an index message (a
+    kill between the rename and the message leaves a shard the collector indexes, or removes as a second copy)."""
     meta = FeaturesMeta(**payload.model_dump(), shape=got.shape, endpoint=got.endpoint, aux_shape=got.aux_shape)
-    fields: dict = {"id": payload.id, "meta": meta.model_dump_json(), "data": got.data}
+    if cfg.features.store is None:
+        await xadd_result(conn, meta, got)
+        return
+    d = features_dir(features_root(cfg), payload.dataset)
+    meta.shard, meta.shard_bytes = await asyncio.to_thread(write_sample_shard, d, meta, got.data, got.aux)
+    got.remove_raw_files()
+    if os.environ.get(WORKER_CRASH_ENV):  # tests: killed between the shard's rename and its index message
+        os.kill(os.getpid(), signal.SIGKILL)
+    await conn.xadd(keys.features_results_key(payload.dataset), {"id": payload.id, "meta": meta.model_dump_json()})
+
+
+async def xadd_result(conn: Any, meta: FeaturesMeta, got: Captured) -> None:
+    """The sample's bytes to its dataset's results stream, and its size to the pending counter, in one MULTI."""
+    fields: dict = {"id": meta.id, "meta": meta.model_dump_json(), "data": got.data}
     if got.aux is not None:
         fields["aux"] = got.aux
     async with conn.pipeline(transaction=True) as p:
-        p.xadd(keys.features_results_key(payload.dataset), fields)
-        p.incrby(keys.features_pending_key(payload.dataset), got.nbytes)
+        p.xadd(keys.features_results_key(meta.dataset), fields)
+        p.incrby(keys.features_pending_key(meta.dataset), got.nbytes)
         await p.execute()
 
 
@@ -292,7 +315,7 @@ def run_features_job(payload: dict) -> dict:
             await backend.close()
         conn = aconnect(cfg.redis_url, max_connections=2)
         try:
-            await xadd_result(conn, p, got)
+            await deliver(conn, cfg, p, got)
         finally:
             await conn.aclose()
         return {"status": "captured", "shape": got.shape}

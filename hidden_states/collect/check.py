@@ -7,7 +7,7 @@ from typing import cast
 import redis
 
 from budgetq.hidden_states.collect.inputs import committed_rows
-from budgetq.hidden_states.store.shards import check_store, features_dir, index_rows
+from budgetq.hidden_states.store.shards import check_store, features_dir, features_root, index_rows
 from budgetq.shared import keys
 from budgetq.shared.config import Config
 from budgetq.shared.redis_conn import text
@@ -18,9 +18,9 @@ def check(cfg: Config, conn: redis.Redis | None, names: list[str] | None = None)
     out: dict[str, list[str]] = {}
     for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
         row_ids = {r.id for r in committed_rows(cfg.output_dir / f"{ds.name}.jsonl")}
-        problems = check_store(cfg.output_dir, ds.name, row_ids)
+        problems = check_store(features_root(cfg), ds.name, row_ids)
         if conn is not None:
-            indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
+            indexed = {r["id"] for r in index_rows(features_dir(features_root(cfg), ds.name) / "index.jsonl")}
             done = {text(m) for m in cast(set[bytes], conn.smembers(keys.features_done_key(ds.name)))}
             for pid in sorted(done - indexed)[:20]:
                 problems.append(f"redis {keys.features_done_key(ds.name)}: {pid!r} is marked done but not on disk "
@@ -33,7 +33,7 @@ def fix_done_set(cfg: Config, conn: redis.Redis, names: list[str] | None = None)
     """Make the Redis done set exactly the ids on disk; returns how many entries changed."""
     changed = 0
     for ds in [cfg.dataset(n) for n in names] if names else cfg.datasets:
-        indexed = {r["id"] for r in index_rows(features_dir(cfg.output_dir, ds.name) / "index.jsonl")}
+        indexed = {r["id"] for r in index_rows(features_dir(features_root(cfg), ds.name) / "index.jsonl")}
         key = keys.features_done_key(ds.name)
         done = {text(m) for m in cast(set[bytes], conn.smembers(key))}
         extra, missing = sorted(done - indexed), sorted(indexed - done)

@@ -41,8 +41,8 @@ class OfflineSample:
     path: str                  # relative: rows_<start>-<end>/data_<idx>.ckpt
     input_ids: np.ndarray      # int64 [L]
     loss_mask: np.ndarray      # int64 [L]
-    hidden_state: tuple[str, list[int], bytes]           # (dtype, [1, L, H], raw bytes)
-    aux_hidden_state: tuple[str, list[int], bytes] | None
+    hidden_state: tuple[str, list[int], bytes | memoryview]           # (dtype, [1, L, H], raw bytes)
+    aux_hidden_state: tuple[str, list[int], bytes | memoryview] | None
 
 
 def offline_path(idx: int) -> str:
@@ -76,7 +76,7 @@ class OfflineResult:
     without_aux: int = 0
 
 
-def _tensor(torch: Any, spec: tuple[str, list[int], bytes]) -> Any:
+def _tensor(torch: Any, spec: tuple[str, list[int], bytes | memoryview]) -> Any:
     dtype, shape, data = spec
     return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -33,8 +32,9 @@ from rq.serializers import JSONSerializer
 from budgetq.hidden_states.collect.guard import DiskGuard
 from budgetq.hidden_states.collect.inputs import FeaturesInputError, RowTail, conversation_ids
 from budgetq.hidden_states.collect.lock import CollectorLock, new_owner
+from budgetq.hidden_states.collect.report import Report, failures
 from budgetq.hidden_states.schema import FeaturesMeta, FeaturesPayload
-from budgetq.hidden_states.store.shards import FeatureStore
+from budgetq.hidden_states.store.shards import FeatureStore, features_root
 from budgetq.producer.reading.tokenize import load_tokenizer
 from budgetq.shared import jobs, keys
 from budgetq.shared.config import Config, DatasetConfig
@@ -48,6 +48,7 @@ log = logging.getLogger("budgetq.features")
 JOB_FUNC = "budgetq.hidden_states.capture.features_worker.run_features_job"
 FAILURE_TTL_S = 7 * 86400
 READ_COUNT = 4          # stream entries per read: each may be hundreds of MB
+INDEX_READ_COUNT = 256  # features.store: entries are index messages (a shard's name, token ids)
 MAINTAIN_EVERY_S = 2.0
 # Rows tokenized and enqueued per round of the loop: the first jobs reach the workers after this many rows,
 # not after features.high_water of them (~1 ms a row to tokenize), and results are collected in between.
@@ -83,17 +84,6 @@ class DatasetPass:
     failed_checked: float = 0.0  # monotonic time of the last _forget_failed
 
 
-@dataclass
-class Report:
-    datasets: dict[str, dict] = field(default_factory=dict)
-    stopped_by: str | None = None
-    failed: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.stopped_by is None and not any(self.failed.values())
-
-
 class FeaturesPass:
     def __init__(self, cfg: Config, conn: redis.Redis, names: list[str] | None = None, follow: bool = False,
                  owner: str | None = None) -> None:
@@ -114,15 +104,16 @@ class FeaturesPass:
         chosen = [cfg.dataset(n) for n in names] if names else cfg.datasets
         self.lock.take([ds.name for ds in chosen])
         for ds in chosen:
-            store = FeatureStore(cfg.output_dir, ds.name, cfg.features.shard_bytes)
+            store = FeatureStore(features_root(cfg), ds.name, cfg.features.shard_bytes)
             self._mark_done(ds.name, sorted(store.ids))
             queue = Queue(keys.features_queue_name(ds.name), connection=conn, serializer=JSONSerializer)
             tail = RowTail(cfg.output_dir / f"{ds.name}.jsonl")
             self.passes.append(DatasetPass(ds, store, queue, tail, tail.new_rows()))
             conn.sadd(keys.FEATURES_DATASETS, ds.name)
-            if store.recovered.tmp_removed or store.recovered.reindexed:
+            if store.recovered.tmp_removed or store.recovered.reindexed or store.recovered.duplicates_removed:
                 log.warning("features %s: repaired after a crash: %d unfinished shard writes removed, %d samples "
-                            "indexed", ds.name, store.recovered.tmp_removed, store.recovered.reindexed)
+                            "indexed, %d second copies removed", ds.name, store.recovered.tmp_removed,
+                            store.recovered.reindexed, store.recovered.duplicates_removed)
 
     def release(self) -> None:
         self.lock.release()
@@ -146,6 +137,7 @@ class FeaturesPass:
     # -- the loop ------------------------------------------------------------------------
     def run(self, poll_s: float = 0.05) -> Report:
         last_maintain = 0.0
+        finished = False
         while not self.stop.is_set():
             if self.follow and self._unfollow.is_set():
                 self._stop_following()
@@ -163,12 +155,17 @@ class FeaturesPass:
                 self._maintain()
                 last_maintain = time.monotonic()
             if all(self._finished(p) for p in self.passes):
+                finished = True
                 break
             if not progressed:
                 time.sleep(poll_s)
         for p in self.passes:
             self._collect(p)
             self._flush(p)
+            if finished:  # no features job queued or running: what a killed worker left can be settled now
+                p.store.reconcile()
+                p.store.sweep_incoming()
+                self._mark_done(p.ds.name, sorted(p.store.ids))
         rep = self._report()
         self.release()
         return rep
@@ -283,22 +280,27 @@ class FeaturesPass:
         key = keys.features_results_key(p.ds.name)
         got = False
         limit = min(self.cfg.features.shard_bytes, int(self.cfg.features.redis_max_mb * MB / 2))
+        # Index messages (features.store) are small: many a read; tensor entries may be hundreds of MB each.
+        count = INDEX_READ_COUNT if self.cfg.features.store else READ_COUNT
         while True:
             entries = cast(list[tuple[bytes, dict[bytes, bytes]]],
-                           self.conn.xrange(key, min=f"({p.cursor}" if p.cursor != "-" else "-", count=READ_COUNT))
+                           self.conn.xrange(key, min=f"({p.cursor}" if p.cursor != "-" else "-", count=count))
             if not entries:
                 break
             got = True
             for eid, fields in entries:
                 p.cursor = eid.decode()
-                data = fields[b"data"]
+                data = fields.get(b"data", b"")
                 p.consumed.append((eid, len(data) + len(fields.get(b"aux", b""))))
                 try:
                     meta = FeaturesMeta.model_validate_json(fields[b"meta"])
-                except ValueError as exc:
+                except (ValueError, KeyError) as exc:
                     log.error("features %s: unreadable stream entry %s dropped: %s", p.ds.name, p.cursor, exc)
                     continue
                 p.outstanding.pop(meta.id, None)
+                if meta.shard is not None:
+                    self._adopt(p, meta)
+                    continue
                 # what the sample will weigh in a shard: tensor, token ids (4 B) and mask (1 B), header entries
                 self.guard.learn(meta.shape[0], len(data) + len(fields.get(b"aux", b"")) + 5 * meta.shape[0]
                                  + SAMPLE_HEADER_BYTES)
@@ -309,11 +311,26 @@ class FeaturesPass:
                     p.duplicates += 1  # a retried job's second copy
                 if p.store.buffer_bytes >= limit:
                     self._flush(p)
+        if p.store.adopted:
+            self._flush(p)
         # Jobs that failed are not coming back: stop counting them as outstanding. Every few seconds, not at
         # every idle poll (50 ms): it reads the status of each outstanding job. The end of the pass checks anew.
         if p.outstanding and not got and time.monotonic() - p.failed_checked > MAINTAIN_EVERY_S:
             self._forget_failed(p)
         return got
+
+    def _adopt(self, p: DatasetPass, meta: FeaturesMeta) -> None:
+        """An index message: the worker wrote the sample's shard in features.store itself."""
+        verdict = p.store.adopt(meta)
+        if verdict == "new":
+            p.captured += 1
+            self.guard.learn(meta.shape[0], meta.shard_bytes or 0)
+        elif verdict == "duplicate":
+            p.duplicates += 1  # a retried job's second copy (its shard is deleted)
+        else:
+            log.error("features %s: %s announced shard %s, which is not in %s: its job runs again", p.ds.name,
+                      meta.id, meta.shard, p.store.dir)
+            p.outstanding[meta.id] = len(meta.input_ids)  # not back: enqueued again once nothing runs
 
     def _flush(self, p: DatasetPass) -> None:
         # Kept in p.unmarked until Redis has them: a Redis error here (the producer's capture goes on
@@ -361,7 +378,7 @@ class FeaturesPass:
     def _report(self) -> Report:
         rep = Report(stopped_by=self.guard.reason)
         for p in self.passes:
-            failed = self._failures(p)
+            failed = failures(self.conn, p.ds.name, sorted(p.relost - p.store.ids))
             rep.failed[p.ds.name] = failed
             if p.rows_done and not self.guard.reason and not failed and not self.stop.is_set():
                 self.conn.srem(keys.FEATURES_DATASETS, p.ds.name)
@@ -371,22 +388,3 @@ class FeaturesPass:
                 "failed": len(failed), "bytes_on_disk": p.store.bytes_on_disk,
                 "bytes_per_token": round(p.store.bytes_per_token or 0.0, 1)}
         return rep
-
-    def _failures(self, p: DatasetPass) -> list[str]:
-        """'<job id>: <last line of the error>' for the dataset's failed features jobs not on disk."""
-        name = keys.features_name(p.ds.name)
-        out = []
-        for member in cast(list[bytes], self.conn.zrange(f"rq:failed:{keys.queue_name(name)}", 0, -1)):
-            jid = text(member)
-            status, exc = cast(list[bytes | None], self.conn.hmget(keys.rq_job_key(jid), ["status", "exc_info"]))
-            if status != b"failed":
-                continue  # enqueued again since
-            try:
-                exc = zlib.decompress(exc or b"")
-            except zlib.error:
-                pass
-            lines = (exc or b"").decode(errors="replace").strip().splitlines()
-            out.append(f"{jid}: {lines[-1] if lines else 'failed'}")
-        out += [f"{job_id(name, pid)}: lost by Redis, not captured" for pid in sorted(p.relost - p.store.ids)]
-        return out
-

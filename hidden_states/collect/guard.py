@@ -6,6 +6,7 @@ Its free-space rule (``min_free_mb`` kept free on output_dir's volume) is genera
 
 from __future__ import annotations
 
+from budgetq.hidden_states.store.shards import features_root
 from budgetq.producer.run.disk_guard import MB, free_bytes
 from budgetq.shared.config import Config
 
@@ -22,7 +23,7 @@ class DiskGuard:
         self.max_bytes = cfg.features.max_bytes
         self.min_free = int(cfg.min_free_mb * MB)
         self.first = cfg.features.concurrency
-        self.out_dir = cfg.output_dir
+        self.out_dir = features_root(cfg)  # features.store, when set, is the volume that fills
         self.seen_bytes = 0
         self.seen_tokens = 0
         self.reason: str | None = None

@@ -25,8 +25,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from budgetq.hidden_states.collect.features_pass import FeaturesPass, Report
+from budgetq.hidden_states.collect.features_pass import FeaturesPass
 from budgetq.hidden_states.collect.lock import LOCK_TTL_S
+from budgetq.hidden_states.collect.report import Report
 from budgetq.shared import keys
 from budgetq.shared.config import Config
 from budgetq.shared.redis_conn import connect

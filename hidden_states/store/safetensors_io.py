@@ -30,12 +30,13 @@ class Tensor:
     name: str
     dtype: str          # safetensors code: F16, BF16, I32, U8 ...
     shape: list[int]
-    data: bytes
+    data: bytes | memoryview
 
 
-def write_atomic(path: Path, tensors: list[Tensor], metadata: dict[str, str]) -> int:
+def write_atomic(path: Path, tensors: list[Tensor], metadata: dict[str, str], tmp: Path | None = None) -> int:
     """Write a shard as ``path`` all at once: tmp file, fsync, rename, fsync of the directory.
-    A crash leaves either no file or the whole file (and maybe a ``.tmp`` the next open removes)."""
+    A crash leaves either no file or the whole file (and maybe a ``.tmp`` the next open removes).
+    ``tmp``: where the file is written before its rename (default ``path`` + ``.tmp``; same filesystem)."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for t in tensors:
@@ -48,7 +49,7 @@ def write_atomic(path: Path, tensors: list[Tensor], metadata: dict[str, str]) ->
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = tmp or path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)

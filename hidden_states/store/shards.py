@@ -8,6 +8,14 @@ indexing what a shard holds and the index is missing. A leftover ``.tmp`` (kille
 removed. Whatever crashed when, a sample id is indexed at most once: a retried job's copy of an
 id already on disk is dropped (``add`` returns False).
 
+With ``features.store`` the features workers write shards themselves (``write_sample_shard``: one sample a
+shard, named ``w-<random>``, written in ``incoming/`` and renamed into place) and send the collector an index
+message; ``adopt`` indexes the shard, or deletes it when its id is indexed in another shard already (a job run
+twice). Opening the store (and ``reconcile`` at the end of a pass) indexes a shard no message announced (a
+worker killed between its rename and its message) and deletes one whose samples are all indexed elsewhere,
+so each sample is in exactly one shard and no shard is read twice. ``incoming/`` also holds what the vLLM
+engines write for the vllm backend; ``sweep_incoming`` empties it once no features job runs.
+
 Index row: id, shard, key, shape [tokens, hidden], dtype, input_ids, loss_mask (1 on the
 generated answer's tokens), and aux_shape [tokens, 3 x hidden] when an aux server answered too.
 Tensors of a sample in its shard: ``<key>.hidden_state``, ``<key>.input_ids`` (I32),
@@ -20,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,17 +43,62 @@ from budgetq.hidden_states.store.safetensors_io import (
     read_tensor,
     write_atomic,
 )
+from budgetq.shared.config import Config
 from budgetq.shared.identity import encode_id
 
 log = logging.getLogger("budgetq.features")
 FORMAT = "budgetq-features-1"
 SHARD_SUFFIX = ".safetensors"
-# Set (tests only): SIGKILL this process between a shard's rename and its index rows.
+# Set (tests only): SIGKILL this process between a shard's rename and its index rows (the collector); the
+# second, a features worker between its shard's rename and its index message (features.store).
 CRASH_ENV = "BUDGETQ_FEATURES_CRASH_AFTER_SHARD"
+WORKER_CRASH_ENV = "BUDGETQ_FEATURES_WORKER_CRASH_AFTER_SHARD"
+INCOMING = "incoming"      # in a features directory: files being written (worker shards' tmp, vLLM's files)
+WORKER_PREFIX = "w-"       # shards a features worker wrote (one sample each)
+
+
+def features_root(cfg: Config) -> Path:
+    """Where the datasets' features directories are: features.store when set (a volume the workers share),
+    else output_dir (the collector writes every shard)."""
+    return Path(cfg.features.store) if cfg.features.store else cfg.output_dir
 
 
 def features_dir(out_dir: Path, ds: str) -> Path:
     return out_dir / ds / "features"
+
+
+def sample_tensors(meta: FeaturesMeta, data: bytes | memoryview, aux: bytes | memoryview | None) -> tuple[
+        list[Tensor], dict, list[int]]:
+    """A sample's tensors in a shard, its ``__metadata__.samples`` entry, and its loss mask."""
+    key = encode_id(meta.id)
+    n = len(meta.input_ids)
+    mask = meta.loss_mask()
+    tensors = [Tensor(f"{key}.hidden_state", DTYPES[meta.dtype], meta.shape, data),
+               Tensor(f"{key}.input_ids", "I32", [n], np.asarray(meta.input_ids, "<i4").tobytes()),
+               Tensor(f"{key}.loss_mask", "U8", [n], np.asarray(mask, "u1").tobytes())]
+    sample: dict = {"id": meta.id, "key": key, "shape": meta.shape, "dtype": meta.dtype}
+    if aux is not None and meta.aux_shape is not None:
+        tensors.append(Tensor(f"{key}.aux_hidden_state", DTYPES[meta.dtype], meta.aux_shape, aux))
+        sample["aux_shape"] = meta.aux_shape
+    return tensors, sample, mask
+
+
+def write_sample_shard(d: Path, meta: FeaturesMeta, data: bytes | memoryview,
+                       aux: bytes | memoryview | None) -> tuple[str, int]:
+    """A features worker's shard of one sample, in features directory ``d``: written in ``incoming/``, fsynced,
+    renamed into place (a fresh name per attempt: two runs of a job never write the same file). Returns
+    (its file name, its size); the caller then sends the index message."""
+    tensors, sample, _ = sample_tensors(meta, data, aux)
+    name = f"{WORKER_PREFIX}{uuid.uuid4().hex[:16]}{SHARD_SUFFIX}"
+    (d / INCOMING).mkdir(parents=True, exist_ok=True)
+    size = write_atomic(d / name, tensors, {"format": FORMAT, "dataset": meta.dataset,
+                                            "samples": json.dumps([sample], separators=(",", ":"))},
+                        tmp=d / INCOMING / f"{name}.tmp")
+    return name, size
+
+
+def _samples(header: dict) -> list[dict]:
+    return json.loads(header.get("__metadata__", {}).get("samples", "[]"))
 
 
 def index_rows(path: Path) -> list[dict]:
@@ -77,6 +131,7 @@ def _cut_torn_tail(path: Path) -> None:
 class Recovered:
     tmp_removed: int = 0
     reindexed: int = 0
+    duplicates_removed: int = 0
 
 
 @dataclass
@@ -96,24 +151,40 @@ class FeatureStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.index = self.dir / "index.jsonl"
         self._buffered: set[str] = set()
-        self._recover()
+        self.adopted: list[dict] = []    # index rows of worker shards, appended at the next flush
+        self.where: dict[str, str] = {}  # id -> the shard its index row names
+        for tmp in self.dir.glob("*.tmp"):
+            tmp.unlink()
+            self.recovered.tmp_removed += 1
+        _cut_torn_tail(self.index)
+        self.reconcile()
 
     # -- opening -------------------------------------------------------------------------
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob(f"*{SHARD_SUFFIX}"))
 
-    def _recover(self) -> None:
-        for tmp in self.dir.glob("*.tmp"):
-            tmp.unlink()
-            self.recovered.tmp_removed += 1
-        _cut_torn_tail(self.index)
-        indexed = {(r["shard"], r["key"]) for r in index_rows(self.index)}
-        self.ids = {r["id"] for r in index_rows(self.index)}
+    def reconcile(self) -> None:
+        """Make the index and the shards agree (at opening, and at the end of a pass): index what a shard holds
+        and the index misses (a crash between the two writes), delete a shard none of whose samples is indexed
+        in it while each is indexed in another (a second copy), and count what is on disk."""
+        rows = index_rows(self.index)
+        indexed = {(r["shard"], r["key"]) for r in rows}
+        self.where = {r["id"]: r["shard"] for r in rows}
+        self.ids = set(self.where)
+        self.bytes_on_disk = self.tokens_on_disk = 0
         missing: list[dict] = []
         for shard in self.shards():
-            self.bytes_on_disk += shard.stat().st_size
             header, start = read_header(shard)
-            for s in json.loads(header.get("__metadata__", {}).get("samples", "[]")):
+            samples = _samples(header)
+            if samples and not any((shard.name, s["key"]) in indexed for s in samples) and all(
+                    self.where.get(s["id"], shard.name) != shard.name for s in samples):
+                log.warning("features %s: %s holds only samples indexed in other shards (a job that ran twice): "
+                            "removed", self.ds, shard.name)
+                shard.unlink()
+                self.recovered.duplicates_removed += 1
+                continue
+            self.bytes_on_disk += shard.stat().st_size
+            for s in samples:
                 self.tokens_on_disk += int(s["shape"][0])
                 if (shard.name, s["key"]) in indexed or s["id"] in self.ids:
                     continue
@@ -121,11 +192,24 @@ class FeatureStore:
                 mask = np.frombuffer(read_tensor(shard, f"{s['key']}.loss_mask", header, start).data, "u1")
                 missing.append({**s, "shard": shard.name, "input_ids": ids.tolist(), "loss_mask": mask.tolist()})
                 self.ids.add(s["id"])
+                self.where[s["id"]] = shard.name
         if missing:
             self._append_index(missing)
-            self.recovered.reindexed = len(missing)
+            self.recovered.reindexed += len(missing)
             log.warning("features %s: indexed %d samples a shard held but the index missed (a crash between "
                         "the two writes)", self.ds, len(missing))
+
+    def sweep_incoming(self) -> int:
+        """Remove what ``incoming/`` holds: call only when no features job is queued or running (then a file
+        there is a write that never finished, or an engine's file a killed worker never read)."""
+        n = 0
+        for f in (self.dir / INCOMING).glob("*"):
+            if f.is_file():
+                f.unlink(missing_ok=True)
+                n += 1
+        if n:
+            log.warning("features %s: removed %d unfinished files from %s", self.ds, n, self.dir / INCOMING)
+        return n
 
     def _next_shard(self) -> Path:
         numbers = [int(p.stem) for p in self.shards() if p.stem.isdigit()]
@@ -149,37 +233,58 @@ class FeatureStore:
     def full(self) -> bool:
         return self.buffer_bytes >= self.shard_bytes
 
+    def adopt(self, meta: FeaturesMeta) -> str:
+        """A worker's index message for shard ``meta.shard``: "new" (its row is appended at the next flush),
+        "duplicate" (the id is indexed or adopted in another shard: this one is deleted; or it is this very
+        shard, announced again), or "missing" (no such shard: the job's sample is not on disk)."""
+        assert meta.shard is not None
+        if self.has(meta.id):
+            if self.where.get(meta.id) != meta.shard:
+                (self.dir / meta.shard).unlink(missing_ok=True)
+            return "duplicate"
+        if not (self.dir / meta.shard).is_file():
+            return "missing"
+        _, sample, mask = sample_tensors(meta, b"", None)
+        if meta.aux_shape is not None:
+            sample["aux_shape"] = meta.aux_shape
+        self.adopted.append({**sample, "shard": meta.shard, "input_ids": meta.input_ids, "loss_mask": mask,
+                             "_bytes": meta.shard_bytes or 0})
+        self._buffered.add(meta.id)
+        self.where[meta.id] = meta.shard
+        return "new"
+
     def flush(self) -> list[str]:
-        """Write the buffered samples as one shard, then their index rows; returns their ids."""
-        if not self.buffer:
+        """Write the buffered samples as one shard, then their index rows and those of adopted worker shards
+        (one append); returns their ids."""
+        rows = []
+        if self.buffer:
+            path = self._next_shard()
+            tensors: list[Tensor] = []
+            samples = []
+            for meta, data, aux in self.buffer:
+                ts, sample, mask = sample_tensors(meta, data, aux)
+                tensors += ts
+                samples.append(sample)
+                rows.append({**sample, "shard": path.name, "input_ids": meta.input_ids, "loss_mask": mask})
+                self.where[meta.id] = path.name
+            size = write_atomic(path, tensors, {"format": FORMAT, "dataset": self.ds,
+                                                "samples": json.dumps(samples, separators=(",", ":"))})
+            self.bytes_on_disk += size
+            self.tokens_on_disk += sum(m.shape[0] for m, _, _ in self.buffer)
+        for r in self.adopted:
+            self.bytes_on_disk += r.pop("_bytes")
+            self.tokens_on_disk += r["shape"][0]
+            rows.append(r)
+        if not rows:
             return []
-        path = self._next_shard()
-        tensors: list[Tensor] = []
-        samples, rows = [], []
-        for meta, data, aux in self.buffer:
-            key = encode_id(meta.id)
-            n = len(meta.input_ids)
-            mask = meta.loss_mask()
-            tensors += [Tensor(f"{key}.hidden_state", DTYPES[meta.dtype], meta.shape, data),
-                        Tensor(f"{key}.input_ids", "I32", [n], np.asarray(meta.input_ids, "<i4").tobytes()),
-                        Tensor(f"{key}.loss_mask", "U8", [n], np.asarray(mask, "u1").tobytes())]
-            sample: dict = {"id": meta.id, "key": key, "shape": meta.shape, "dtype": meta.dtype}
-            if aux is not None and meta.aux_shape is not None:
-                tensors.append(Tensor(f"{key}.aux_hidden_state", DTYPES[meta.dtype], meta.aux_shape, aux))
-                sample["aux_shape"] = meta.aux_shape
-            samples.append(sample)
-            rows.append({**sample, "shard": path.name, "input_ids": meta.input_ids, "loss_mask": mask})
-        size = write_atomic(path, tensors, {"format": FORMAT, "dataset": self.ds,
-                                            "samples": json.dumps(samples, separators=(",", ":"))})
-        # A kill here: the shard is on disk, the index misses its rows; _recover adds them.
-        if os.environ.get(CRASH_ENV):  # tests/test_features.py kills the pass exactly here
+        # A kill here: the shards are on disk, the index misses their rows; reconcile adds them.
+        if os.environ.get(CRASH_ENV):  # tests/test_features.py and test_features_store.py kill the pass here
             os.kill(os.getpid(), signal.SIGKILL)
         self._append_index(rows)
-        ids = [m.id for m, _, _ in self.buffer]
+        ids = [r["id"] for r in rows]
         self.ids.update(ids)
-        self.bytes_on_disk += size
-        self.tokens_on_disk += sum(m.shape[0] for m, _, _ in self.buffer)
         self.buffer.clear()
+        self.adopted.clear()
         self._buffered.clear()
         self.buffer_bytes = 0
         return ids
@@ -211,7 +316,7 @@ def check_store(out_dir: Path, ds: str, row_ids: set[str]) -> list[str]:
         except ShardError as exc:
             problems.append(str(exc))
             continue
-        for s in json.loads(headers[shard.name].get("__metadata__", {}).get("samples", "[]")):
+        for s in _samples(headers[shard.name]):
             in_shards.add((shard.name, s["key"]))
     for r in rows:
         where = f"{d / 'index.jsonl'}: id {r.get('id')!r}"
@@ -239,4 +344,7 @@ def check_store(out_dir: Path, ds: str, row_ids: set[str]) -> list[str]:
         problems.append(f"{d / shard_name}: sample {key} is in no index row (run `budgetq features` to index it)")
     for leftover in d.glob("*.tmp"):
         problems.append(f"{leftover}: a shard write that never finished (removed by the next `budgetq features`)")
+    for leftover in sorted((d / INCOMING).glob("*")):
+        problems.append(f"{leftover}: a capture in flight, or one that never finished (removed once a "
+                        "`budgetq features` ends with no features job running)")
     return problems

@@ -1,0 +1,176 @@
+"""The ``vllm`` capture backend: prefills on vLLM servers whose engine writes the hidden states to a file.
+
+A sample is one prefill-only ``POST /v1/completions`` (the conversation's token ids as the prompt,
+``max_tokens: 1``, greedy) naming, in ``kv_transfer_params.hidden_states_path``, a file under the dataset's
+``incoming/`` directory in features.store. The server (started with ``budgetq features --server-flags``:
+vllm_layout.py says what it writes) answers once the request is done, with that path in its
+``kv_transfer_params``; the engine may still be writing the file then, and holds an exclusive flock on
+``<file>.lock`` until it is written (``ExampleHiddenStatesConnector.wait_for_save`` takes it before the
+answer can leave, ``_write_tensors`` releases it), so the worker waits for a shared lock on it.
+
+Then the worker checks the file (its token ids are the request's, one row per token, the layers and hidden
+size expected, every value finite), takes the aux layers as they are, applies the final norm to the last
+layer for the target, and hands the worker the same tensors as the other backends (``hidden_state``
+``[tokens, H]``, ``aux_hidden_state`` ``[tokens, 3H]``, features.dtype). The worker writes them as a shard
+of the store and only then removes the engine's file (``Captured.raw_files``); a job that fails removes it
+at once. Why not make the engine's file the shard: it holds the last layer before the norm, the layers
+interleaved per token and no loss mask, so a shard would need every reader (export, check, SpecForge's
+loader) to learn a second layout and the norm; rewriting it costs one read and one write of the sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from budgetq.hidden_states.capture.captured import Captured, features_server
+from budgetq.hidden_states.capture.decode import HiddenStatesError, to_dtype
+from budgetq.hidden_states.capture.vllm_layout import FinalNorm, VllmLayout, as_f32, layout_for, load_final_norm
+from budgetq.hidden_states.schema import FeaturesPayload
+from budgetq.hidden_states.store.safetensors_io import ShardError, read_header, read_tensor
+from budgetq.hidden_states.store.shards import INCOMING, features_dir, features_root
+from budgetq.shared.config import Config, ServerConfig
+from budgetq.shared.identity import encode_id
+from budgetq.worker.sglang_client import HiddenStatesClient
+
+log = logging.getLogger("budgetq.features")
+LOCK_POLL_S = 0.02
+
+
+def prefill_request(server: ServerConfig, input_ids: list[int], path: str) -> dict:
+    """The body of the prefill: the token ids as the prompt, one greedy token, the file to write."""
+    return {"model": server.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"hidden_states_path": path}}
+
+
+async def wait_written(path: str, wait_s: float) -> None:
+    """Until the engine has written ``path``: a shared flock on ``path.lock`` (the engine holds it exclusively
+    while it writes); without a lock file, until the file is whole (its header's data end is its size)."""
+    deadline = time.monotonic() + wait_s
+    lock = path + ".lock"
+    while True:
+        if os.path.exists(lock):
+            fd = os.open(lock, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            except OSError:    # a volume without working locks (ENOLCK): whole by its size, then
+                if _whole(path):
+                    return
+            finally:
+                os.close(fd)   # releases a lock taken: the file is whole, nobody writes it again
+        elif _whole(path):
+            return
+        if time.monotonic() > deadline:
+            raise HiddenStatesError(f"the engine had not finished writing {path} after {wait_s:.0f} s "
+                                    "(features.vllm.file_wait_s)")
+        await asyncio.sleep(LOCK_POLL_S)
+
+
+def _whole(path: str) -> bool:
+    try:
+        header, start = read_header(Path(path))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return os.path.getsize(path) >= start + end
+    except (ShardError, OSError, KeyError, TypeError, ValueError):
+        return False
+
+
+def read_engine_file(path: str, payload: FeaturesPayload, layout: VllmLayout, norm: FinalNorm) -> Captured:
+    """The engine's file, checked, as the target (normed last layer) and the aux layers in features.dtype."""
+    p = Path(path)
+    try:
+        header, start = read_header(p)
+        hs = read_tensor(p, "hidden_states", header, start)
+        tok = read_tensor(p, "token_ids", header, start)
+    except ShardError as exc:
+        raise HiddenStatesError(f"the engine's file is not readable: {exc}") from None
+    n, want = len(payload.input_ids), [len(payload.input_ids), len(layout.layer_ids), layout.hidden]
+    ids = np.frombuffer(tok.data, {"I64": "<i8", "I32": "<i4"}.get(tok.dtype, "<i8"))
+    if ids.tolist() != payload.input_ids:
+        raise HiddenStatesError(f"the engine's file holds {len(ids)} token ids that are not the request's {n} "
+                                "(another request's file?)")
+    if hs.shape != want:
+        raise HiddenStatesError(f"the engine's file holds hidden_states {hs.shape}, expected {want} ([tokens, "
+                                f"layers {layout.layer_ids}, hidden]): start the server with `budgetq features "
+                                "--server-flags` for this model")
+    x = as_f32(hs.dtype, hs.data, hs.shape)
+    if not np.isfinite(x).all():
+        raise HiddenStatesError("hidden states hold NaN or inf")
+    dtype = payload.dtype
+    target = norm(x[:, layout.position(layout.target_id), :])
+    data = to_dtype(target, dtype)
+    aux = aux_shape = None
+    if layout.aux:
+        cols = [x[:, layout.position(i), :] for i in layout.aux_ids]
+        aux, aux_shape = to_dtype(np.concatenate(cols, axis=-1), dtype), [n, len(cols) * layout.hidden]
+    return Captured(data, [n, layout.hidden], aux, aux_shape, raw_files=[path, path + ".lock"])
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(self, cfg: Config) -> None:
+        assert cfg.features.model is not None and cfg.features.store is not None  # the config validator says so
+        self.cfg = cfg
+        self.model_dir = Path(cfg.features.model.path)
+        self.root = features_root(cfg)
+
+    async def start(self) -> None:
+        self.layout = layout_for(self.model_dir, self.cfg.features.model.aux_layers if self.cfg.features.model
+                                 else None)
+        self.norm = await asyncio.to_thread(load_final_norm, self.model_dir, self.layout.hidden)
+        self.server = features_server(self.cfg)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.client = HiddenStatesClient(self.session, self.server)
+        log.info("features: vllm backend, layers %s of %s (aux %s, target %d normed here), files in %s",
+                 self.layout.layer_ids, self.model_dir, self.layout.aux_ids, self.layout.target_id, self.root)
+
+    def bytes_per_token(self) -> float:
+        # the engine's file read as float32 (layers x hidden x 4), plus the bytes kept (2 a value)
+        n = len(self.layout.layer_ids)
+        return self.layout.hidden * (4.0 * n + 2.0 * (1 + len(self.layout.aux)))
+
+    async def capture(self, payload: FeaturesPayload, job_id: str, hold: Callable[[int], None]) -> Captured:
+        incoming = features_dir(self.root, payload.dataset) / INCOMING
+        path = str(incoming / f"{encode_id(payload.id)}.{uuid.uuid4().hex[:8]}.vllm.safetensors")
+        written = [path]
+        try:
+            raw = await self.client.post_raw("/v1/completions", prefill_request(self.server, payload.input_ids, path),
+                                             job_id)
+            try:
+                got_path = json.loads(raw.body)["kv_transfer_params"]["hidden_states_path"]
+            except (ValueError, KeyError, TypeError):
+                raise HiddenStatesError(f"{raw.endpoint}: the answer has no kv_transfer_params.hidden_states_path: "
+                                        "start the server with `budgetq features --server-flags`") from None
+            if got_path != path:
+                written.append(str(got_path))
+                log.warning("%s wrote %s, not the file asked for: start it with allow_custom_save_path (`budgetq "
+                            "features --server-flags`)", raw.endpoint, got_path)
+            await wait_written(str(got_path), self.cfg.features.vllm.file_wait_s)
+            got = await asyncio.to_thread(read_engine_file, str(got_path), payload, self.layout, self.norm)
+        except BaseException:
+            for f in written:
+                Captured(b"", [], raw_files=[f, f + ".lock"]).remove_raw_files()
+            raise
+        got.endpoint = raw.endpoint
+        if got_path != path:
+            got.raw_files += [path, path + ".lock"]
+        return got
+
+    async def close(self) -> None:
+        if hasattr(self, "client"):
+            await self.client.close()
+            await self.session.close()

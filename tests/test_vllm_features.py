@@ -1,0 +1,299 @@
+"""features.backend vllm on a real vLLM server (its CPU build, SmolLM2-135M: 30 layers, hidden 576).
+
+The server is started with exactly the flags ``budgetq features --server-flags`` prints, except its KV
+connector: tests/vllm_cpu_connector.py, the stock one made to copy synchronously (the stock one needs CUDA).
+What the worker stores is compared with transformers' own float32 forward pass (``output_hidden_states``), per
+token, per block (the target and each aux layer), by cosine: vLLM serves bf16, so bits cannot match, and the
+thresholds are the ones transformers' own bf16 pass meets; negative controls (a neighbouring layer, the last
+layer without the final norm) show the comparison can fail. Then the whole path: ``budgetq features`` and two
+``features-worker`` processes, one SIGKILLed mid-pass, each sample in exactly one shard, ``--check``, the
+``specforge-offline`` export read by SpecForge's own loader.
+
+Token counts stay small (SmolLM2's template, its default system prompt included: ~40-60 tokens a sample).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+
+from budgetq.hidden_states.capture.decode import from_dtype  # noqa: E402
+from budgetq.hidden_states.capture.vllm_backend import VllmBackend, read_engine_file, wait_written  # noqa: E402
+from budgetq.hidden_states.capture.vllm_layout import layout_for, server_flags  # noqa: E402
+from budgetq.hidden_states.schema import FeaturesPayload  # noqa: E402
+from budgetq.hidden_states.store.shards import features_dir, index_rows  # noqa: E402
+from budgetq.shared import keys  # noqa: E402
+from budgetq.shared.config import Config  # noqa: E402
+from tests.helpers import PY, ROOT, Procs, wait_for  # noqa: E402
+from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline  # noqa: E402
+from tests.test_features import run_features, write_rows  # noqa: E402
+from tests.test_features_store import exactly_once  # noqa: E402
+from tests.vllm_server import MODEL_NAME, VllmServer, smollm2_hf_dir  # noqa: E402
+
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1500)]
+HIDDEN, LAYERS = 576, 30
+AUX = [1, 14, 26]                    # SpecForge's default for 30 layers: outputs of decoder layers 1, 14, 26
+MEAN_MIN, TOKEN_MIN = 0.999, 0.98    # per block: mean per-token cosine, lowest per-token cosine
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "Paris is the capital of France."}],
+    [{"role": "user", "content": "Write a haiku about rain."},
+     {"role": "assistant", "content": "Soft rain on the roof, a quiet song for the night, the garden drinks deep."}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hs_server(tmp_path_factory):
+    """(url, model dir): vLLM with `budgetq features --server-flags`' flags and the CPU connector.
+    ``$BUDGETQ_TEST_VLLM_HS_URL``: such a server already running (iterating on these tests: a start takes
+    40 s unloaded, minutes on a busy machine)."""
+    model = smollm2_hf_dir()
+    if os.environ.get("BUDGETQ_TEST_VLLM_HS_URL"):
+        yield os.environ["BUDGETQ_TEST_VLLM_HS_URL"], model
+        return
+    store = tmp_path_factory.mktemp("vllm-default-store")
+    mod = tmp_path_factory.mktemp("connector")
+    shutil.copy(ROOT / "tests" / "vllm_cpu_connector.py", mod / "vllm_cpu_connector.py")
+    flags = server_flags(model, None, str(store), "CpuHiddenStatesConnector", "vllm_cpu_connector")
+    server = VllmServer(model, "--max-model-len", "2048", *flags, env={"PYTHONPATH": str(mod)})
+    yield server.url, model
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(hs_server):
+    """transformers' own forward passes of the served checkpoint: float32 (the reference) and bfloat16."""
+    from transformers import AutoModel, AutoTokenizer
+
+    _, model = hs_server
+    fp32 = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    bf16 = AutoModel.from_pretrained(model, dtype=torch.bfloat16).eval()
+
+    def hidden_states(m, ids: list[int]) -> list[np.ndarray]:
+        with torch.inference_mode():
+            out = m(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False).hidden_states
+        return [h[0].float().numpy() for h in out]   # [embeddings, layer 0 out, ..., final norm out]
+
+    return AutoTokenizer.from_pretrained(model), lambda ids: hidden_states(fp32, ids), \
+        lambda ids: hidden_states(bf16, ids)
+
+
+def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    return (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+
+
+def blocks(data: bytes | memoryview, aux: bytes | memoryview | None, n: int) -> dict[str, np.ndarray]:
+    """A stored sample as float32 blocks: target and each aux layer."""
+    out = {"target": from_dtype(bytes(data), "bfloat16", [n, HIDDEN])}
+    a = from_dtype(bytes(aux or b""), "bfloat16", [n, 3 * HIDDEN])
+    out.update({f"aux{layer}": a[:, i * HIDDEN:(i + 1) * HIDDEN] for i, layer in enumerate(AUX)})
+    return out
+
+
+def want_blocks(hs: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The same blocks in transformers' numbering: hidden_states[-1] (after the final norm), hidden_states[a + 1]."""
+    return {"target": hs[-1], **{f"aux{a}": hs[a + 1] for a in AUX}}
+
+
+def vllm_config(url: str, model: Path, store: Path, **extra) -> Config:
+    return Config.model_validate({"server": {"model": MODEL_NAME, "tokenizer": str(model)},
+                                  "features": {"backend": "vllm", "store": str(store), "model": {"path": str(model)},
+                                               "server": {"urls": [url]}, **extra}})
+
+
+def test_hidden_states_equal_transformers_at_the_same_layers(hs_server, reference, tmp_path):
+    url, model = hs_server
+    tok, fp32, bf16 = reference
+    samples = [[int(i) for i in tok.apply_chat_template(c, tokenize=True)["input_ids"]] for c in CONVERSATIONS]
+    cfg = vllm_config(url, model, tmp_path / "store")
+
+    async def capture_all() -> list:
+        backend = VllmBackend(cfg)
+        await backend.start()
+        try:
+            out = []
+            for i, ids in enumerate([*samples, samples[0]]):   # the first again: a prefix-cache hit
+                p = FeaturesPayload(id=f"s{i}", dataset="A", input_ids=ids, loss_start=0, loss_end=len(ids))
+                got = await backend.capture(p, f"A-features--s{i}", lambda _n: None)
+                assert all(Path(f).exists() for f in got.raw_files[:1]), "the engine's file is kept until stored"
+                got.remove_raw_files()
+                out.append(got)
+            return out
+        finally:
+            await backend.close()
+
+    got = asyncio.run(capture_all())
+    assert not list((features_dir(tmp_path / "store", "A") / "incoming").glob("*"))
+    assert bytes(got[3].data) == bytes(got[0].data) and bytes(got[3].aux) == bytes(got[0].aux), \
+        "a prefix-cache hit returns the same states (the cached blocks hold them)"
+    per_block: dict[str, list[np.ndarray]] = {}
+    for ids, g in zip(samples, got, strict=False):
+        n = len(ids)
+        assert g.shape == [n, HIDDEN] and g.aux_shape == [n, 3 * HIDDEN]
+        ref, ref_bf16 = fp32(ids), bf16(ids)
+        assert len(ref) == LAYERS + 1
+        mine, want, calib = blocks(g.data, g.aux, n), want_blocks(ref), want_blocks(ref_bf16)
+        for name in want:
+            per_block.setdefault(name, []).append(cosines(mine[name], want[name]))
+            per_block.setdefault(f"{name}: transformers bf16", []).append(cosines(calib[name], want[name]))
+            # negative control: the next layer's states in place of this one's
+            if name.startswith("aux"):
+                a = int(name[3:])
+                per_block.setdefault(f"{name}: vs layer {a + 1}", []).append(cosines(mine[name], ref[a + 2]))
+    stats = {k: (float(np.concatenate(v).mean()), float(np.concatenate(v).min())) for k, v in per_block.items()}
+    print(json.dumps({k: [round(m, 5), round(lo, 5)] for k, (m, lo) in stats.items()}, indent=1))
+    for name in ("target", *(f"aux{a}" for a in AUX)):
+        mean, low = stats[name]
+        assert mean >= MEAN_MIN and low >= TOKEN_MIN, (name, mean, low)
+        # the thresholds admit what bf16 itself changes: transformers' own bf16 pass meets them
+        mean, low = stats[f"{name}: transformers bf16"]
+        assert mean >= MEAN_MIN and low >= TOKEN_MIN, (name, "bf16", mean, low)
+        if name != "target":   # ...and not a neighbouring layer
+            assert stats[f"{name}: vs layer {int(name[3:]) + 1}"][0] <= 0.98, (name, stats)
+
+    # negative control: vLLM's last layer as it is, without the final norm, is not the target
+    ids = samples[1]
+    path = str(tmp_path / "raw.safetensors")
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"hidden_states_path": path}}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        assert json.loads(resp.read())["kv_transfer_params"]["hidden_states_path"] == path
+    asyncio.run(wait_written(path, 120))
+    p = FeaturesPayload(id="raw", dataset="A", input_ids=ids, loss_start=0, loss_end=len(ids))
+    raw = read_engine_file(path, p, layout_for(model, None), lambda x: x)
+    pre_norm = cosines(from_dtype(bytes(raw.data), "bfloat16", [len(ids), HIDDEN]), fp32(ids)[-1])
+    print("pre-norm last layer vs the target:", round(float(pre_norm.mean()), 5), round(float(pre_norm.min()), 5))
+    assert pre_norm.mean() <= 0.9
+
+
+def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(hs_server, reference, tmp_path,
+                                                                               redis_url, conn):
+    url, model = hs_server
+    _, fp32, _ = reference
+    store = tmp_path / "store"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "redis_url": redis_url, "output_dir": str(tmp_path / "out"),
+        "server": {"urls": ["http://127.0.0.1:9"], "model": MODEL_NAME, "tokenizer": str(model)},
+        "worker": {"heartbeat_ttl_s": 2},
+        "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
+                     "server": {"urls": [url]}},
+        "datasets": [{"name": "A", "path": str(tmp_path / "none.jsonl"), "budget": "1k"}]}))
+    ids = write_rows(tmp_path / "out", "A", 10)
+    index = features_dir(store, "A") / "index.jsonl"
+    procs = Procs(cfg, tmp_path)
+    runner = subprocess.Popen([*PY, "features", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        victim = procs.start("features-worker")
+        wait_for(lambda: len(index_rows(index)) >= 2, 600, "the first samples indexed")
+        wait_for(lambda: conn.zcard(keys.rq_wip_key(keys.features_name("A"))) > 0, 120, "a claimed job")
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(30)
+        procs.start("features-worker")
+        out, err = runner.communicate(timeout=900)
+        assert runner.returncode == 0, out + err
+        assert "A: 10 samples on disk" in out, out
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.communicate()
+        procs.stop_all()
+    exactly_once(store, ids)
+    res = run_features(cfg, "--check")
+    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
+    res = subprocess.run([*PY, "export", "-c", str(cfg), "--format", "specforge-offline"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "aux_hidden_state" not in res.stdout + res.stderr, res.stdout + res.stderr
+    target = tmp_path / "out" / "A.specforge-offline"
+    rows = dict(enumerate(index_rows(index)))                  # data_<i>.ckpt is index row i
+
+    def check(row: dict, input_ids, target_state, aux_state) -> None:
+        assert input_ids.tolist() == row["input_ids"]
+        ref = want_blocks(fp32(row["input_ids"]))
+        n = len(row["input_ids"])
+        mine = {"target": target_state.float().numpy(),
+                **{f"aux{a}": aux_state.float().numpy()[:, i * HIDDEN:(i + 1) * HIDDEN] for i, a in enumerate(AUX)}}
+        for name, want in ref.items():
+            c = cosines(mine[name][:n], want)
+            assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
+
+    try:
+        sf = load_specforge_offline()
+    except SpecForgeUnavailable as exc:
+        pytest.skip(f"captured and exported; SpecForge's own loader not run: {exc}")
+    older = sf.OfflineEagle3Dataset(sf.list_local_files(str(target)))
+    assert len(older) == 10
+    seen = []
+    for i, path in enumerate(older.datapaths):
+        item = older[i]
+        row = rows[int(Path(path).stem.split("_")[1])]
+        assert item["loss_mask"][0].tolist() == row["loss_mask"][:-1] + [0] and 1 in row["loss_mask"]
+        check(row, item["input_ids"][0], item["target"][0], item["hidden_state"][0])
+        seen.append(row["id"])
+    assert sorted(seen) == sorted(ids)
+    refs = sf.OfflineManifestReader(str(target), run_id="budgetq", validate_files=True).read()
+    assert len(refs) == 10 and all(r.num_tokens > 0 for r in refs)
+
+
+def test_produce_with_capture_features_on_vllm(hs_server, reference, tmp_path, redis_url, conn, sim_factory):
+    """capture: features in `budgetq produce`, the features jobs on vLLM (features.server.urls), generation on the
+    simulator (a server started for hidden states writes a file for every request it serves: generation goes
+    elsewhere). Every row generated once, captured once, in exactly one shard, close to transformers' pass."""
+    from tests.helpers import check_invariants, write_dataset
+
+    url, model = hs_server
+    _, fp32, _ = reference
+    sim = sim_factory("--speedup", "50", "--length-mean", "12")
+    ids = write_dataset(tmp_path / "A.jsonl", 6)
+    store = tmp_path / "store"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "redis_url": redis_url, "output_dir": str(tmp_path / "out"),
+        "server": {"urls": [sim], "model": MODEL_NAME, "tokenizer": str(model)},
+        "worker": {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "concurrency": 4},
+        "producer": {"progress": "off"},
+        "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
+                     "server": {"urls": [url]}},
+        "datasets": [{"name": "A", "path": str(tmp_path / "A.jsonl"), "budget": "1M", "capture": "features",
+                      "id_field": "id", "sampling": {"max_tokens": 16}, "prior_mean_tokens": 12}]}))
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.worker()
+        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                             text=True, timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "hidden states A: 6 samples on disk (6 captured this run, 0 failed" in res.stdout, res.stdout
+    finally:
+        procs.stop_all()
+    check_invariants(conn, tmp_path / "out", "A", ids)
+    exactly_once(store, ids)
+    d = features_dir(store, "A")
+    from budgetq.hidden_states.store.safetensors_io import read_tensor
+
+    for row in index_rows(d / "index.jsonl"):
+        n = len(row["input_ids"])
+        t = read_tensor(d / row["shard"], f"{row['key']}.hidden_state")
+        a = read_tensor(d / row["shard"], f"{row['key']}.aux_hidden_state")
+        mine, want = blocks(t.data, a.data, n), want_blocks(fp32(row["input_ids"]))
+        for name in want:
+            c = cosines(mine[name], want[name])
+            assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
+    res = run_features(cfg, "--check")
+    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
