@@ -158,7 +158,7 @@ def main(argv: list[str]) -> None:
     if args.quick:
         s = Settings(warmup_s=3, window_s=15, pairs=1, concurrency=32, max_tokens=256, prompts=2000)
     if args.smoke:
-        s = Settings(warmup_s=0.5, window_s=2, pairs=1, concurrency=4, max_tokens=32, prompts=200)
+        s = Settings(warmup_s=0.5, window_s=6, pairs=1, concurrency=4, max_tokens=32, prompts=200)
     c.print_header("Pipeline (producer + worker + Redis) vs. a direct aiohttp client, on vLLM",
                    ["bench/vllm_pipeline_vs_direct.py", *argv])
     server = None if args.url else VllmServer(smollm2_hf_dir(), "--max-model-len", "2048")
@@ -180,6 +180,9 @@ def main(argv: list[str]) -> None:
         if server is not None:
             server.stop()
     tok = {k: sum(w.tokens for w in ws) / sum(w.seconds for w in ws) for k, ws in got.items()}
+    if not tok["direct"]:
+        raise SystemExit("vLLM generated no token in the direct client's window: a longer window (or a less busy "
+                         "machine) is needed")
     ratio = tok["pipeline"] / tok["direct"]
     print(c.md_table(["repeat", "client", "window s", "tokens", "tok/s", "mean running at vLLM"], rows))
     print()

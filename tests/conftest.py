@@ -10,6 +10,7 @@ import redis
 
 from budgetq.shared.logs import forget_secrets
 from budgetq.simulator.local import LocalRedis, LocalSim
+from tests.vllm_server import run_dir, shared_server, stop_shared
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,27 +56,18 @@ def sim_factory():
         s.stop()
 
 
-def _run_dir(config: pytest.Config) -> Path:
-    """A directory every pytest process of this run shares and no other run sees: the run's
-    basetemp (the controller's, or the parent of an xdist worker's ``popen-gwN``)."""
-    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
-    return base.parent if hasattr(config, "workerinput") else base
-
-
 @pytest.fixture(scope="session")
 def vllm(request):
     """One real vLLM server (its CPU build, SmolLM2-135M) for the whole test run, shared by every
     pytest-xdist process (tests/vllm_server.py ``shared_server``); stopped when the run ends."""
-    from tests.vllm_server import shared_server
-
-    return shared_server(_run_dir(request.config))
+    return shared_server(run_dir(request.config))
 
 
 @pytest.fixture
 def vllm_alone(vllm, request):
     """The run's vLLM server with no other test's requests on it: for a test that reads the
     engine's own gauges (num_requests_running). Other vLLM tests hold the same lock shared."""
-    with open(_run_dir(request.config) / "vllm-server.use", "w") as lock:
+    with open(run_dir(request.config) / "vllm-server.use", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield vllm
 
@@ -86,7 +78,7 @@ def _vllm_shared_use(request):
     if "vllm" not in request.fixturenames or "vllm_alone" in request.fixturenames:
         yield
         return
-    with open(_run_dir(request.config) / "vllm-server.use", "w") as lock:
+    with open(run_dir(request.config) / "vllm-server.use", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)
         yield
 
@@ -94,6 +86,4 @@ def _vllm_shared_use(request):
 def pytest_sessionfinish(session):
     """The process that outlives the others (xdist's controller, or pytest alone) stops the server."""
     if not hasattr(session.config, "workerinput"):
-        from tests.vllm_server import stop_shared
-
-        stop_shared(_run_dir(session.config))
+        stop_shared(run_dir(session.config))

@@ -40,9 +40,9 @@ from tests.helpers import PY, ROOT, Procs, wait_for  # noqa: E402
 from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline  # noqa: E402
 from tests.test_features import run_features, write_rows  # noqa: E402
 from tests.test_features_store import exactly_once  # noqa: E402
-from tests.vllm_server import MODEL_NAME, VllmServer, smollm2_hf_dir  # noqa: E402
+from tests.vllm_server import MODEL_NAME, run_dir, shared_server, smollm2_hf_dir  # noqa: E402
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1500)]
+pytestmark = pytest.mark.timeout(1500)
 HIDDEN, LAYERS = 576, 30
 AUX = [1, 14, 26]                    # SpecForge's default for 30 layers: outputs of decoder layers 1, 14, 26
 MEAN_MIN, TOKEN_MIN = 0.999, 0.98    # per block: mean per-token cosine, lowest per-token cosine
@@ -56,21 +56,22 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def hs_server(tmp_path_factory):
-    """(url, model dir): vLLM with `budgetq features --server-flags`' flags and the CPU connector.
-    ``$BUDGETQ_TEST_VLLM_HS_URL``: such a server already running (iterating on these tests: a start takes
-    40 s unloaded, minutes on a busy machine)."""
+def hs_server(request):
+    """(url, model dir): vLLM with `budgetq features --server-flags`' flags and the CPU connector, one
+    for the whole run (tests/vllm_server.py ``shared_server``). ``$BUDGETQ_TEST_VLLM_HS_URL``: such a
+    server already running (iterating on these tests: a start takes 40 s unloaded, minutes on a busy
+    machine)."""
     model = smollm2_hf_dir()
     if os.environ.get("BUDGETQ_TEST_VLLM_HS_URL"):
-        yield os.environ["BUDGETQ_TEST_VLLM_HS_URL"], model
-        return
-    store = tmp_path_factory.mktemp("vllm-default-store")
-    mod = tmp_path_factory.mktemp("connector")
+        return os.environ["BUDGETQ_TEST_VLLM_HS_URL"], model
+    shared = run_dir(request.config)
+    store, mod = shared / "vllm-default-store", shared / "vllm-connector"
+    store.mkdir(exist_ok=True)
+    mod.mkdir(exist_ok=True)
     shutil.copy(ROOT / "tests" / "vllm_cpu_connector.py", mod / "vllm_cpu_connector.py")
     flags = server_flags(model, None, str(store), "CpuHiddenStatesConnector", "vllm_cpu_connector")
-    server = VllmServer(model, "--max-model-len", "2048", *flags, env={"PYTHONPATH": str(mod)})
-    yield server.url, model
-    server.stop()
+    server = shared_server(shared, "hidden-states", ("--max-model-len", "2048", *flags), env={"PYTHONPATH": str(mod)})
+    return server.url, model
 
 
 @pytest.fixture(scope="module")

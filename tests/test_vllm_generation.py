@@ -186,8 +186,10 @@ def test_a_deadline_run_ends_by_its_deadline(tmp_path, redis_url, conn, vllm):
     _balanced(cfg, "D")
 
 
-def test_the_vllm_bench_runs_and_prints_its_ratio(vllm):
-    """bench/vllm_pipeline_vs_direct.py --smoke against this session's server (no second vLLM)."""
+def test_the_vllm_bench_runs_and_prints_its_ratio(vllm_alone):
+    """bench/vllm_pipeline_vs_direct.py --smoke against the run's server (no second vLLM), alone on it:
+    it measures with the engine's own counters."""
+    vllm = vllm_alone
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_pipeline_vs_direct.py"), "--url", vllm.url,
                            "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

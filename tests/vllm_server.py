@@ -138,6 +138,13 @@ class VllmServer:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
+def run_dir(config: pytest.Config) -> Path:
+    """A directory every pytest process of this run shares and no other run sees: the run's
+    basetemp (the controller's, or the parent of an xdist worker's ``popen-gwN``)."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    return base.parent if hasattr(config, "workerinput") else base
+
+
 class AttachedServer:
     """A server another pytest process of this run started (``shared_server``): its URL and log."""
 
@@ -154,18 +161,19 @@ _STARTED: list[VllmServer] = []
 SHARED_FLAGS = ("--max-model-len", "2048", "--enable-log-requests")
 
 
-def shared_server(run_dir: Path) -> AttachedServer:
-    """The run's one vLLM server (SmolLM2, SHARED_FLAGS), started by the first process that asks.
+def shared_server(run_dir: Path, name: str = "smollm2", flags: tuple[str, ...] = SHARED_FLAGS,
+                  env: dict[str, str] | None = None) -> AttachedServer:
+    """The run's vLLM server ``name`` (SmolLM2 with ``flags``), started by the first process that asks.
 
     ``run_dir`` is a directory that every pytest process of this run sees and no other run does.
     A start that failed or was skipped is remembered there, so the other processes fail or skip
     at once with the same reason instead of trying again."""
-    info = run_dir / "vllm-server.json"
-    with open(run_dir / "vllm-server.lock", "w") as lock:
+    info = run_dir / f"vllm-{name}.json"
+    with open(run_dir / f"vllm-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not info.exists():
             try:
-                server = VllmServer(smollm2_hf_dir(), *SHARED_FLAGS)
+                server = VllmServer(smollm2_hf_dir(), *flags, env=env)
             except pytest.skip.Exception as exc:
                 info.write_text(json.dumps({"skip": str(exc.msg)}))
                 raise
@@ -179,35 +187,33 @@ def shared_server(run_dir: Path) -> AttachedServer:
     if "skip" in data:
         pytest.skip(data["skip"])
     if "error" in data:
-        raise AssertionError(f"the run's vLLM server did not start: {data['error']}")
+        raise AssertionError(f"the run's vLLM server {name} did not start: {data['error']}")
     return AttachedServer(data["url"], data["log"])
 
 
 def stop_shared(run_dir: Path) -> None:
-    """End the run's shared server (the pytest process that outlives the others calls it)."""
-    info = run_dir / "vllm-server.json"
-    if not info.exists():
-        return
-    data = json.loads(info.read_text())
-    if "pgid" not in data:
-        return
-    pgid = int(data["pgid"])
+    """End the run's shared servers (the pytest process that outlives the others calls it)."""
+    for info in sorted(run_dir.glob("vllm-*.json")):
+        data = json.loads(info.read_text())
+        if "pgid" in data:
+            _stop_group(int(data["pgid"]))
+            shutil.rmtree(data["home"], ignore_errors=True)
+        info.unlink()
+    for server in _STARTED:     # reap the ones this process started
+        server.proc.poll()
+
+
+def _stop_group(pgid: int) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it is still there 30 s later."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
-            break
+            return
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
                 os.killpg(pgid, 0)
             except ProcessLookupError:
-                break
+                return
             time.sleep(0.2)
-        else:
-            continue
-        break
-    for server in _STARTED:     # reap it if this process started it
-        server.proc.poll()
-    shutil.rmtree(data["home"], ignore_errors=True)
-    info.unlink()
