@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import _common as c
 import aiohttp
+from pipeline_vs_direct import Window  # tokens over a window, and the running counts seen in it
 
 from budgetq.shared.config import ServerConfig
 from budgetq.shared.schema import JobPayload, Message, SamplingParams
@@ -58,21 +59,6 @@ def metrics(url: str) -> dict[str, float]:
         if name in names:
             out[names[name]] += float(line.rsplit(" ", 1)[1])
     return out
-
-
-@dataclass
-class Window:
-    tokens: float
-    seconds: float
-    running: list[float]
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def mean_running(self) -> float:
-        return sum(self.running) / max(1, len(self.running))
 
 
 async def measure_window(url: str, s: Settings, alive=lambda: True) -> Window:

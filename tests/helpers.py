@@ -105,6 +105,18 @@ class Procs:
         return Path(p.log_path).read_text()  # type: ignore[attr-defined]
 
 
+def cli_out(cfg: Path, *args: str) -> str:
+    """What ``budgetq ARGS -c cfg`` printed on stdout; it must exit 0."""
+    out = subprocess.run([*PY, *args, "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def dataset_status(cfg: Path, ds: str) -> dict:
+    """``ds``'s entry of ``budgetq status --json``."""
+    return next(d for d in json.loads(cli_out(cfg, "status", "--json"))["datasets"] if d["dataset"] == ds)
+
+
 def wait_for(cond, timeout_s: float, what: str, every_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

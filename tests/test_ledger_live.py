@@ -4,25 +4,13 @@ after resume / raise nothing is missing."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 
 from budgetq.shared import keys
-from tests.helpers import PY, ROOT, Procs, rows, wait_for, write_config, write_dataset
+from tests.helpers import Procs, cli_out, dataset_status, rows, wait_for, write_config, write_dataset
 
 N = 150
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2, "concurrency": 8}
-
-
-def _cli(cfg, *args: str) -> str:
-    out = subprocess.run([*PY, *args, "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def _status(cfg, ds: str) -> dict:
-    return next(d for d in json.loads(_cli(cfg, "status", "--json"))["datasets"] if d["dataset"] == ds)
 
 
 def _settled(conn, ds: str) -> bool:
@@ -51,26 +39,26 @@ def test_aborted_and_skipped_prompts_are_requeued_and_nothing_is_missing(tmp_pat
     try:
         # 1. pause --abort-in-flight: the aborted requests go back to the (paused) queue
         wait_for(lambda: conn.hlen(keys.resv_key("A")) >= 6, 30, "6 requests in flight")
-        out = _cli(cfg, "pause", "A", "--abort-in-flight")
+        out = cli_out(cfg, "pause", "A", "--abort-in-flight")
         aborted = int(re.search(r"aborted (\d+) requests in flight", out).group(1))
         assert aborted >= 6, out
         wait_for(lambda: _settled(conn, "A"), 30, "the aborted requests to settle")
-        d = _status(cfg, "A")
+        d = dataset_status(cfg, "A")
         # what the command printed is what status shows: every withdrawn admission is one abort
         assert d["counts"]["aborted"] == aborted, (out, d["counts"])
         led = d["ledger"]
         assert led["balanced"] and led["queued"] >= aborted and led["skipped"] == 0 and led["running"] == 0, led
         assert led["aborted"] == aborted and d["state"] == "paused"
         # 2. resume: they run again
-        _cli(cfg, "resume", "A")
+        cli_out(cfg, "resume", "A")
         wait_for(lambda: conn.hlen(keys.resv_key("A")) >= 6, 30, "requests in flight after the resume")
         # 3. budget lowered to what is used, with abort: what was in flight and queued is skipped ...
         used = int(conn.get(keys.used_key("A")) or 0)
-        out = _cli(cfg, "budget", "set", "A", str(used), "--abort-in-flight")
+        out = cli_out(cfg, "budget", "set", "A", str(used), "--abort-in-flight")
         assert re.search(r"aborted \d+ requests in flight", out), out
         wait_for(lambda: _settled(conn, "A") and conn.llen(keys.rq_queue_key("A")) == 0, 30,
                  "the queued jobs to be skipped")
-        d = _status(cfg, "A")
+        d = dataset_status(cfg, "A")
         assert d["state"] == "done" and d["tok_s"] is None and d["eta_s"] is None, d
         led = d["ledger"]
         assert led["balanced"] and led["skipped"] > 0 and led["queued"] == led["running"] == 0, led
@@ -80,9 +68,9 @@ def test_aborted_and_skipped_prompts_are_requeued_and_nothing_is_missing(tmp_pat
         summary = _summary_row(Procs.log(producer), "A")
         assert (summary["skipped"], summary["queued"], summary["failed"]) == (str(skipped), "0", "0"), summary
         # 4. raised after the dataset ended: the skipped jobs are requeued and stop counting as skipped
-        out = _cli(cfg, "budget", "set", "A", "10M")
+        out = cli_out(cfg, "budget", "set", "A", "10M")
         assert f"requeued {skipped} skipped jobs" in out, out
-        led = _status(cfg, "A")["ledger"]
+        led = dataset_status(cfg, "A")["ledger"]
         assert led["skipped"] == 0 and led["balanced"], led
         assert sum(led[s] for s in ("queued", "running", "rows", "truncated", "skipped", "failed")) == led["entered"]
         producer = procs.producer()  # collects what the requeued jobs make, and reads the rest
@@ -92,7 +80,7 @@ def test_aborted_and_skipped_prompts_are_requeued_and_nothing_is_missing(tmp_pat
     # nothing is missing: every prompt has exactly one row
     got = sorted(r["id"] for r in rows(tmp_path / "out" / "A.jsonl"))
     assert got == sorted(ids)
-    d = _status(cfg, "A")
+    d = dataset_status(cfg, "A")
     led = d["ledger"]
     assert (led["rows"], led["queued"], led["running"], led["skipped"], led["failed"], led["unaccounted"]) == \
         (N, 0, 0, 0, 0, 0), led

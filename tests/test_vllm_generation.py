@@ -20,10 +20,11 @@ import urllib.request
 
 from budgetq.shared import keys
 from tests.helpers import (
-    PY,
     ROOT,
     Procs,
     check_invariants,
+    cli_out,
+    dataset_status,
     holders,
     rows,
     run_to_completion,
@@ -53,16 +54,6 @@ def _config(tmp_path, redis_url, vllm, datasets: list[dict], worker: dict | None
                         **extra)
 
 
-def _cli(cfg, *args: str) -> str:
-    out = subprocess.run([*PY, *args, "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def _status(cfg, ds: str) -> dict:
-    return next(d for d in json.loads(_cli(cfg, "status", "--json"))["datasets"] if d["dataset"] == ds)
-
-
 def _metric(vllm, name: str) -> float:
     """A vLLM Prometheus gauge or counter, summed over its label sets (engines, finish reasons)."""
     with urllib.request.urlopen(vllm.url + "/metrics", timeout=10) as resp:
@@ -72,7 +63,7 @@ def _metric(vllm, name: str) -> float:
 
 
 def _balanced(cfg, ds: str) -> dict:
-    led = _status(cfg, ds)["ledger"]
+    led = dataset_status(cfg, ds)["ledger"]
     assert led["balanced"] and led["unaccounted"] == 0 and led["queued"] == led["running"] == 0, led
     return led
 
@@ -110,7 +101,7 @@ def test_pause_abort_in_flight_stops_the_engines_requests_then_resume_and_raise(
         wait_for(lambda: _metric(vllm, "vllm:num_requests_running") >= 4 and conn.hlen(keys.resv_key("A")) >= 4,
                  120, "4 requests running at vLLM")
         log_before = len(vllm.log())
-        out = _cli(cfg, "pause", "A", "--abort-in-flight")
+        out = cli_out(cfg, "pause", "A", "--abort-in-flight")
         paused_at = time.monotonic()
         aborted = int(re.search(r"aborted (\d+) requests in flight", out).group(1))
         assert aborted >= 4, out
@@ -124,17 +115,17 @@ def test_pause_abort_in_flight_stops_the_engines_requests_then_resume_and_raise(
         assert len(engine_aborts) >= aborted
         wait_for(lambda: conn.hlen(keys.resv_key("A")) == 0 and conn.zcard(keys.rq_wip_key("A")) == 0, 30,
                  "the aborted requests to settle")
-        d = _status(cfg, "A")
+        d = dataset_status(cfg, "A")
         assert d["state"] == "paused" and d["counts"]["aborted"] == aborted, d
         assert d["ledger"]["balanced"] and d["ledger"]["queued"] >= aborted, d["ledger"]
         # resume: the aborted prompts run again and the run ends at its budget
-        _cli(cfg, "resume", "A")
+        cli_out(cfg, "resume", "A")
         assert producer.wait(300) == 0, Procs.log(producer)
         led = _balanced(cfg, "A")
         skipped = led["skipped"]
         assert skipped > 0 and 200 <= int(conn.get(keys.used_key("A"))) < 200 + 32
         # raised after the end: the skipped prompts are requeued and a new produce collects them
-        out = _cli(cfg, "budget", "set", "A", "320")
+        out = cli_out(cfg, "budget", "set", "A", "320")
         assert f"requeued {skipped} skipped jobs" in out, out
         producer = procs.producer()
         assert producer.wait(300) == 0, Procs.log(producer)
