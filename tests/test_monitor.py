@@ -282,9 +282,8 @@ def _dump_dom(browser: str, url: str) -> str:
     return out.stdout
 
 
-def test_page_shows_the_hold_the_diagnosis_and_the_faults_in_headless_chromium(redis_url, conn):
-    browser = _chromium()
-    _seed_trouble(conn)
+def _render_page(browser: str, redis_url: str) -> _Rows:
+    """The monitor page of what ``redis_url`` holds, as headless Chromium renders it."""
     mon = MonitorThread(Config(redis_url=redis_url), port=0)
     port = mon.start()
     try:
@@ -293,6 +292,13 @@ def test_page_shows_the_hold_the_diagnosis_and_the_faults_in_headless_chromium(r
     finally:
         mon.stop()
     assert dom.rendered, "the page's script did not render a snapshot"
+    return dom
+
+
+def test_page_shows_the_hold_the_diagnosis_and_the_faults_in_headless_chromium(redis_url, conn):
+    browser = _chromium()
+    _seed_trouble(conn)
+    dom = _render_page(browser, redis_url)
     assert dom.states == {"B2": "idle", "H": "held"}
     assert dom.alerts == [HTML_500, f"held by the producer: H: output_dir: {DISK_FULL}; workers take no new prompts "
                                     "until it has room (a stopped producer's hold ends at the next budgetq produce)"]
@@ -315,14 +321,7 @@ def test_page_keeps_people_apart_formats_values_and_keeps_the_budget_in_view_in_
     log_action(conn, "budget_set", "B2", 282204, 300_000)
     for i in range(20):
         log_action(conn, "budget_deadline", "B2", 9_000 + i, 9_500 + i, actor="producer (deadline pacing)")
-    mon = MonitorThread(Config(redis_url=redis_url), port=0)
-    port = mon.start()
-    try:
-        dom = _Rows()
-        dom.feed(_dump_dom(browser, f"http://127.0.0.1:{port}/"))
-    finally:
-        mon.stop()
-    assert dom.rendered, "the page's script did not render a snapshot"
+    dom = _render_page(browser, redis_url)
     (person,) = [r for r in dom.cells["control"] if r]
     assert person[2:] == ["budget_set", "B2", "282.20k", "300.00k"] and "@" in person[1], person
     auto = [r for r in dom.cells["control-auto"] if r]
