@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from budgetq.simulator.local import free_port, stop_process
+from budgetq.simulator.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -129,12 +129,9 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        # The API server stops its engine core process on SIGTERM; the session's group goes too.
-        stop_process(self.proc, timeout_s=30)
-        try:
-            os.killpg(self.proc.pid, 9)
-        except ProcessLookupError:
-            pass
+        # The whole session's group: the API server and the engine core processes it started.
+        _stop_group(self.proc.pid)
+        self.proc.wait()
         shutil.rmtree(self.home, ignore_errors=True)
 
 
