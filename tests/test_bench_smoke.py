@@ -1,7 +1,8 @@
 """Each benchmark runs end to end (--smoke: tiny sizes) and prints tables whose ratios parse.
 
 Never asserts a timing target: the machine is shared and noisy; the numbers belong in
-docs/benchmarks.md, not in a test.
+docs/benchmarks.md, not in a test. The timeout only stops a hang: in `make test` these run beside the vLLM
+server on 2 cores, where a smoke that takes 20-40 s alone has taken over 240 s.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ KEY_RATIO = {
 @pytest.mark.parametrize("name", sorted(KEY_RATIO))
 def test_benchmark_prints_a_table_of_positive_ratios(name):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "- nproc:" in proc.stdout and "- load average at start:" in proc.stdout
     tables = parse_md_tables(proc.stdout)
