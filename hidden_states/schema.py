@@ -20,6 +20,9 @@ class FeaturesPayload(BaseModel):
     loss_start: int = Field(ge=0)
     loss_end: int = Field(ge=0)
     dtype: FeaturesDtype = "bfloat16"
+    # features.vllm.single_pass: the file the engine wrote during the row's generation request (the row's
+    # hidden_states_file); the vllm backend stores it instead of prefilling, where its tokens agree.
+    engine_file: str | None = None
 
     @model_validator(mode="after")
     def _span(self) -> FeaturesPayload:
@@ -45,3 +48,5 @@ class FeaturesMeta(FeaturesPayload):
     # directory, this many bytes); the stream entry then carries no tensor bytes, only this message.
     shard: str | None = None
     shard_bytes: int | None = None
+    # The sample's hidden states come from its generation request (features.vllm.single_pass), not a prefill.
+    from_generation: bool = False

@@ -8,6 +8,9 @@ from pydantic import Field, model_validator
 
 from budgetq.shared.config_fields import Strict, TokenCount
 
+# The folder, in a dataset's features directory, of the files the engine writes for generation requests.
+ENGINE_DIR = "engine"
+
 
 # ---------------------------------------------------------------------------------------------
 # Hidden states: the `features` pass, a prefill-only request per committed row that
@@ -61,6 +64,11 @@ class FeaturesVllmConfig(Strict):
 
     # How long a worker waits for the engine to finish writing a file it has named (its .lock).
     file_wait_s: float = Field(default=600.0, gt=0)
+    # One request for both: the generation requests of `capture: features` datasets ask the engine to write
+    # their hidden states (prompt + answer) too, and the features job stores that file instead of sending a
+    # second prefill (it falls back to one where the file is missing or its tokens differ). The generation
+    # servers (server.urls) must then be started with `budgetq features --server-flags`.
+    single_pass: bool = False
 
 
 class FeaturesConfig(Strict):
@@ -113,4 +121,15 @@ class FeaturesConfig(Strict):
                              "`budgetq features --server-flags` (such a server writes a file for every request it "
                              "serves, generation too, and vLLM's CPU build samples wrongly at temperature > 0 in "
                              "this mode: list the generation servers there only on purpose)")
+        if self.vllm.single_pass and (self.backend != "vllm" or self.store is None):
+            raise ValueError("features.vllm.single_pass needs features.backend vllm and features.store (the engine "
+                             "writes each generation request's hidden states there)")
         return self
+
+    def engine_dir(self, ds: str) -> str | None:
+        """Where the engine writes the hidden states of a dataset's generation requests (single_pass), or None.
+        In the dataset's features directory of the store (hidden_states/store/shards.py ``features_dir``), in a
+        folder of its own: ``incoming/`` is emptied when a pass opens the store, and these files outlive that."""
+        if not self.vllm.single_pass or self.store is None:
+            return None
+        return f"{self.store.rstrip('/')}/{ds}/features/{ENGINE_DIR}"

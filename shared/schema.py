@@ -75,6 +75,9 @@ class JobPayload(BaseModel):
     # system prompt and the first user turn) is answered, each with the model's own earlier
     # answers as context (worker/turns.py). None: one request (a single turn or regenerate: last).
     turns: list[Message] | None = None
+    # features.vllm.single_pass: the directory where the engine writes this request's hidden states
+    # (``kv_transfer_params``); the worker names the file per attempt. None: a plain generation request.
+    hidden_states_dir: str | None = None
 
     @field_validator("turns")
     @classmethod
@@ -134,6 +137,9 @@ class ResultRow(BaseModel):
     # regenerate: all only (None otherwise, left out of the file): one entry per request, in
     # order: {"prompt_tokens", "completion_tokens", "finish_reason"}.
     turns: list[dict[str, Any]] | None = None
+    # features.vllm.single_pass: the file the engine wrote this answer's hidden states to (prompt + answer,
+    # but the last sampled token); its features job stores it instead of prefilling again. Left out when None.
+    hidden_states_file: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -147,8 +153,9 @@ class ResultRow(BaseModel):
         """A single-request row is written as before: no ``turns`` key at all. An integer id is
         written as an integer in JSON (the file); Python dumps keep the key (a string)."""
         out: dict[str, Any] = handler(self)
-        if out.get("turns", 0) is None:
-            del out["turns"]
+        for key in ("turns", "hidden_states_file"):
+            if key in out and out[key] is None:
+                del out[key]
         if self.int_id and info.mode_is_json() and "id" in out:
             out["id"] = int(self.id)
         return out

@@ -298,3 +298,64 @@ def test_produce_with_capture_features_on_vllm(hs_server, reference, tmp_path, r
             assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
     res = run_features(cfg, "--check")
     assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
+
+
+def test_single_pass_one_request_gives_the_row_and_its_hidden_states(hs_server, reference, tmp_path, redis_url,
+                                                                     conn):
+    """features.vllm.single_pass: generation (greedy) on the hidden-states server itself, each request naming a
+    file for its hidden states with include_output_tokens. The features jobs store those files, no second prefill:
+    each stored sample is prompt + answer but the last sampled token (prompt_tokens + completion_tokens - 1
+    tokens, a prefix of the chat template's rendering of the row), close to transformers' own pass over exactly
+    those tokens; every row once, every sample in one shard, nothing left in the engine's folder."""
+    from budgetq.hidden_states.store.safetensors_io import read_header, read_tensor
+    from budgetq.shared.schema import ResultRow
+    from tests.helpers import check_invariants, write_dataset
+
+    url, model = hs_server
+    tok, fp32, _ = reference
+    ids = write_dataset(tmp_path / "A.jsonl", 5)
+    store = tmp_path / "store"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "redis_url": redis_url, "output_dir": str(tmp_path / "out"),
+        "server": {"urls": [url], "model": MODEL_NAME, "tokenizer": str(model)},
+        "worker": {"heartbeat_ttl_s": 5, "maintenance_interval_s": 0.5, "concurrency": 4},
+        "producer": {"progress": "off"},
+        "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
+                     "server": {"urls": [url]}, "vllm": {"single_pass": True}},
+        "datasets": [{"name": "A", "path": str(tmp_path / "A.jsonl"), "budget": "1M", "capture": "features",
+                      "id_field": "id", "sampling": {"max_tokens": 12, "temperature": 0.0},
+                      "prior_mean_tokens": 12}]}))
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.worker()
+        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                             text=True, timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "hidden states A: 5 samples on disk (5 captured this run, 0 failed" in res.stdout, res.stdout
+    finally:
+        procs.stop_all()
+    check_invariants(conn, tmp_path / "out", "A", ids)
+    exactly_once(store, ids)
+    rows = {r.id: r for r in (ResultRow.model_validate_json(line)
+                              for line in (tmp_path / "out" / "A.jsonl").read_text().splitlines())}
+    assert all(r.hidden_states_file for r in rows.values()), rows
+    d = features_dir(store, "A")
+    for row in index_rows(d / "index.jsonl"):
+        r, n = rows[row["id"]], len(row["input_ids"])
+        header, _ = read_header(d / row["shard"])
+        samples = json.loads(header["__metadata__"]["samples"])
+        assert [s.get("source") for s in samples] == ["generation"], (row["id"], samples)
+        assert n == r.prompt_tokens + r.completion_tokens - 1, (row["id"], n, r.prompt_tokens, r.completion_tokens)
+        msgs = [m.model_dump(exclude_none=True) for m in r.conversations]
+        full = [int(i) for i in tok.apply_chat_template(msgs, tokenize=True)["input_ids"]]
+        assert row["input_ids"] == full[:n] and 1 in row["loss_mask"], row["id"]
+        t = read_tensor(d / row["shard"], f"{row['key']}.hidden_state")
+        a = read_tensor(d / row["shard"], f"{row['key']}.aux_hidden_state")
+        mine, want = blocks(t.data, a.data, n), want_blocks(fp32(row["input_ids"]))
+        for name in want:
+            c = cosines(mine[name], want[name])
+            assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
+    assert not [f for f in (d / "engine").glob("*") if f.is_file()], list((d / "engine").iterdir())
+    res = run_features(cfg, "--check")
+    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr

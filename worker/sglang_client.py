@@ -41,6 +41,8 @@ from budgetq.worker.sglang_wire import (
 )
 
 log = logging.getLogger("budgetq.worker")
+# Datasets already warned that single_pass samples wrongly above temperature 0 on vLLM's CPU build (once each).
+_WARNED_SAMPLING: set[str] = set()
 T = TypeVar("T")
 # SGLang keeps a request's rid until it notices the client left (a non-streaming request: at
 # its next state-wait poll, ~4 s); a second request with that rid is a 400 with this text
@@ -149,6 +151,12 @@ class SGLangClient:
         except ConfigError as exc:  # several models and no server.model: no request can be right
             raise FatalRequestError(str(exc)) from None
         model = ep.model or self.model
+        if payload.hidden_states_dir is not None and payload.dataset not in _WARNED_SAMPLING \
+                and payload.sampling.temperature != 0:
+            _WARNED_SAMPLING.add(payload.dataset)
+            log.warning("dataset %s: features.vllm.single_pass at temperature %s: vLLM's CPU build samples garbage "
+                        "with extract_hidden_states above 0 (docs/vllm.md); its GPU build samples right",
+                        payload.dataset, payload.sampling.temperature)
         path, body = build_request(self._server, payload, rid, sglang=kind == server_kind.SGLANG, model=model)
 
         async def read(resp: aiohttp.ClientResponse, started: float) -> Completion:

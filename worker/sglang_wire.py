@@ -62,6 +62,8 @@ class Completion:
     # /generate; usage.prompt_tokens_details.cached_tokens on chat with --enable-cache-report).
     cached_tokens: int = 0
     model: str = ""             # the model name the request carried (the row's "model")
+    # features.vllm.single_pass: the file vLLM wrote this request's hidden states to (its kv_transfer_params).
+    hidden_states_file: str | None = None
 
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
@@ -141,6 +143,8 @@ def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: b
             body["seed"] = sp.seed
         if payload.chat_template_kwargs:
             body["chat_template_kwargs"] = payload.chat_template_kwargs
+        if payload.hidden_states_dir is not None and not sglang:
+            body["kv_transfer_params"] = engine_file_params(payload.hidden_states_dir, rid)
         body.update(sp.extra)
         return "/v1/chat/completions", body
     params["max_new_tokens"] = sp.max_tokens
@@ -152,6 +156,20 @@ def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: b
     # No tokenizer (a job enqueued by hand): a plain-text transcript.
     text = "".join(f"{m.role}: {m.content}\n" for m in payload.messages) + "assistant: "
     return "/generate", {"text": text, "rid": rid, "sampling_params": params}
+
+
+def engine_file_params(directory: str, rid: str) -> dict:
+    """features.vllm.single_pass: vLLM's ``kv_transfer_params`` asking the engine (started with ``budgetq features
+    --server-flags``) to write this request's hidden states, prompt *and* answer (``include_output_tokens``), to a
+    file named by the attempt's rid (fresh per attempt: two attempts of a job never write the same file;
+    ExampleHiddenStatesConnector reads both keys per request)."""
+    return {"hidden_states_path": f"{directory.rstrip('/')}/{rid}.safetensors", "include_output_tokens": True}
+
+
+def _engine_file(body: dict) -> str | None:
+    params = body.get("kv_transfer_params")
+    path = params.get("hidden_states_path") if isinstance(params, dict) else None
+    return path if isinstance(path, str) and path else None
 
 
 def _check_finish(kind: str, detail: dict, url: str) -> None:
@@ -180,7 +198,8 @@ def parse_response(api: str, body: dict, url: str, started: float) -> Completion
             kind = str(choice["finish_reason"])
             out = Completion(msg.get("content") or "", msg.get("reasoning_content"), int(usage["prompt_tokens"]),
                              int(usage["completion_tokens"]), kind, url, time.monotonic() - started,
-                             int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+                             int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                             hidden_states_file=_engine_file(body))
             detail: dict = {}
         else:
             meta = body["meta_info"]

@@ -32,6 +32,9 @@ class Captured:
     # Files the capture read (the vllm backend: the engine's file and its .lock): removed once the sample is
     # in a shard, or when its job fails.
     raw_files: list[str] = field(default_factory=list)
+    # The sample as stored, where it is not the job's payload: single_pass's engine file holds every token but
+    # the last sampled one, so the sample is the payload cut to the file's tokens (vllm_backend.py).
+    payload: FeaturesPayload | None = None
 
     def remove_raw_files(self) -> None:
         for path in self.raw_files:

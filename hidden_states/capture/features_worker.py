@@ -79,6 +79,7 @@ class FeaturesWorker:
         self.held_bytes = 0
         self.backend: CaptureBackend = make_backend(cfg)
         self.processed = 0
+        self.from_generation = 0  # features.vllm.single_pass: samples stored from their generation request
         self.failed = 0
         self.memory_waits = 0      # jobs that waited for features.worker_max_mb
         self.peak_held_jobs = 0    # most jobs holding response bytes at once
@@ -182,12 +183,13 @@ class FeaturesWorker:
                 log.warning("features job %s failed: %s", h.claimed.job_id, exc)
                 await self._finish(h, jobs.JobEnd.failed(f"writing the shard to features.store failed: {exc}"))
                 return
-            shape = got.shape
+            shape, single = got.shape, got.payload is not None
             del got
             # A kill here leaves the entry in the stream and the job started: its lease lapses, it
             # runs again, and the collector keeps the first copy of the id only.
-            await self._finish(h, jobs.JobEnd(jobs.Ending.FINISHED, {"status": "captured", "shape": shape},
-                                              stat=Stat.CAPTURED))
+            result = {"status": "captured", "shape": shape, "from_generation": single}
+            if await self._finish(h, jobs.JobEnd(jobs.Ending.FINISHED, result, stat=Stat.CAPTURED)):
+                self.from_generation += single
         except asyncio.CancelledError:
             await asyncio.shield(self._requeue(h, name))
             raise
@@ -205,11 +207,14 @@ class FeaturesWorker:
             self.held.pop(h.claimed.member, None)
             self.wake.set()
 
-    async def _finish(self, h: _Held, end: jobs.JobEnd) -> None:
+    async def _finish(self, h: _Held, end: jobs.JobEnd) -> bool:
+        """Whether this worker's lease still held the job (its ending counts)."""
         call = jobs.finish(keys.features_name(h.ds), h.claimed, end, h.started_at, self.name)
-        if await arun(self.aconn, call):
-            self.processed += end.ending is jobs.Ending.FINISHED
-            self.failed += end.ending is jobs.Ending.FAILED
+        if not await arun(self.aconn, call):
+            return False
+        self.processed += end.ending is jobs.Ending.FINISHED
+        self.failed += end.ending is jobs.Ending.FAILED
+        return True
 
     async def _requeue(self, h: _Held, name: str) -> None:
         try:
@@ -263,8 +268,9 @@ class FeaturesWorker:
             except Exception:  # noqa: BLE001 - the worker key expires anyway
                 pass
             await self.aconn.aclose()
-        log.info("features worker %s: exited after %d captured, %d failed (%d waited for worker_max_mb, at most %d "
-                 "holding responses at once)", self.name, self.processed, self.failed, self.memory_waits,
+        log.info("features worker %s: exited after %d captured (%d from their generation request), %d failed (%d "
+                 "waited for worker_max_mb, at most %d holding responses at once)", self.name, self.processed,
+                 self.from_generation, self.failed, self.memory_waits,
                  self.peak_held_jobs)
         return 0
 
@@ -273,7 +279,9 @@ async def deliver(conn: Any, cfg: Config, payload: FeaturesPayload, got: Capture
     """The sample to the collector. Without features.store: its bytes through the results stream. With it: its
     shard written in the store (tmp, fsync, rename), the engine's raw files removed, then an index message (a
     kill between the rename and the message leaves a shard the collector indexes, or removes as a second copy)."""
-    meta = FeaturesMeta(**payload.model_dump(), shape=got.shape, endpoint=got.endpoint, aux_shape=got.aux_shape)
+    stored = got.payload or payload
+    meta = FeaturesMeta(**stored.model_dump(exclude={"engine_file"}), shape=got.shape, endpoint=got.endpoint,
+                        aux_shape=got.aux_shape, from_generation=got.payload is not None)
     if cfg.features.store is None:
         await xadd_result(conn, meta, got)
         return
@@ -318,6 +326,6 @@ def run_features_job(payload: dict) -> dict:
             await deliver(conn, cfg, p, got)
         finally:
             await conn.aclose()
-        return {"status": "captured", "shape": got.shape}
+        return {"status": "captured", "shape": got.shape, "from_generation": got.payload is not None}
 
     return asyncio.run(main())

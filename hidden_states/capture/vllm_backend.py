@@ -119,6 +119,32 @@ def read_engine_file(path: str, payload: FeaturesPayload, layout: VllmLayout, no
     return Captured(data, [n, layout.hidden], aux, aux_shape, raw_files=[path, path + ".lock"])
 
 
+def generation_sample(path: str, payload: FeaturesPayload) -> FeaturesPayload:
+    """The sample an engine file of a generation request holds: ``payload`` cut to the file's tokens.
+
+    Its tokens are the prompt as the server rendered it and the answer's tokens as sampled, but the last one
+    (it never went through the model). Re-rendering the row with the chat template gives ``payload.input_ids``:
+    the same prompt, the answer's text re-tokenized, then the end-of-turn tokens. Where the file's tokens are a
+    prefix of those and reach into the answer, the sample is that prefix, its loss span cut to it (what is cut
+    is the end-of-turn marker, whose next token nothing trains on); otherwise (a template or a re-tokenization
+    that differs) the file is refused, and the row is prefilled as usual."""
+    try:
+        header, start = read_header(Path(path))
+        tok = read_tensor(Path(path), "token_ids", header, start)
+    except ShardError as exc:
+        raise HiddenStatesError(f"not readable: {exc}") from None
+    ids = np.frombuffer(tok.data, {"I64": "<i8", "I32": "<i4"}.get(tok.dtype, "<i8")).tolist()
+    want = payload.input_ids
+    if len(ids) > len(want) or ids != want[: len(ids)]:
+        at = next((i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b), min(len(ids), len(want)))
+        raise HiddenStatesError(f"its {len(ids)} token ids differ from the chat template's {len(want)} at "
+                                f"position {at}")
+    if len(ids) <= payload.loss_start:
+        raise HiddenStatesError(f"its {len(ids)} token ids end before the answer (token {payload.loss_start})")
+    return payload.model_copy(update={"input_ids": ids, "loss_end": min(payload.loss_end, len(ids)),
+                                      "engine_file": None})
+
+
 class VllmBackend:
     name = "vllm"
 
@@ -144,6 +170,10 @@ class VllmBackend:
         return self.layout.hidden * (4.0 * n + 2.0 * (1 + len(self.layout.aux)))
 
     async def capture(self, payload: FeaturesPayload, job_id: str, hold: Callable[[int], None]) -> Captured:
+        if payload.engine_file is not None:
+            got = await self._from_generation(payload, payload.engine_file)
+            if got is not None:
+                return got
         incoming = features_dir(self.root, payload.dataset) / INCOMING
         path = str(incoming / f"{encode_id(payload.id)}.{uuid.uuid4().hex[:8]}.vllm.safetensors")
         written = [path]
@@ -168,6 +198,21 @@ class VllmBackend:
         got.endpoint = raw.endpoint
         if got_path != path:
             got.raw_files += [path, path + ".lock"]
+        return got
+
+    async def _from_generation(self, payload: FeaturesPayload, path: str) -> Captured | None:
+        """features.vllm.single_pass: the file the engine wrote during the row's generation request, as the sample;
+        None (and the file removed) where it cannot be used, and the caller prefills as without single_pass."""
+        try:
+            await wait_written(path, self.cfg.features.vllm.file_wait_s)
+            stored = await asyncio.to_thread(generation_sample, path, payload)
+            got = await asyncio.to_thread(read_engine_file, path, stored, self.layout, self.norm)
+        except (HiddenStatesError, OSError) as exc:
+            log.info("features %s: row %r: its generation request's file is of no use (%s): prefilling it",
+                     payload.dataset, payload.id, exc)
+            Captured(b"", [], raw_files=[path, path + ".lock"]).remove_raw_files()
+            return None
+        got.payload, got.endpoint = stored, "generation"
         return got
 
     async def close(self) -> None:

@@ -216,7 +216,7 @@ class FeaturesPass:
                 log.warning("features %s: %s", p.ds.name, exc)
                 continue
             return FeaturesPayload(id=row.id, dataset=p.ds.name, input_ids=ids, loss_start=start, loss_end=end,
-                                   dtype=self.cfg.features.dtype)
+                                   dtype=self.cfg.features.dtype, engine_file=row.hidden_states_file)
         if self.follow:
             p.rows = p.tail.new_rows()  # what the collector appends from now on
         else:

@@ -58,11 +58,13 @@ JOB_FUNC = "budgetq.worker.job.run_prompt"  # by name: producer never imports wo
 _LIVE = {b"queued", b"started", b"scheduled", b"deferred", b"failed", b"canceled"}
 
 
-def _payload(ds: DatasetConfig, p: Prompt) -> dict:
+def _payload(ds: DatasetConfig, p: Prompt, engine_dir: str | None = None) -> dict:
+    """``engine_dir``: features.vllm.single_pass, a capture: features dataset (one request a row only)."""
     return JobPayload(id=p.id, dataset=ds.name, messages=p.messages, input_ids=p.input_ids,
                       prompt_tokens=p.prompt_tokens, sampling=ds.sampling,
-                      chat_template_kwargs=ds.chat_template_kwargs or None,
-                      thinking=ds.thinking, turns=p.turns).model_dump(mode="json", exclude_none=True)
+                      chat_template_kwargs=ds.chat_template_kwargs or None, thinking=ds.thinking, turns=p.turns,
+                      hidden_states_dir=engine_dir if p.turns is None else None,
+                      ).model_dump(mode="json", exclude_none=True)
 
 
 class Producer:
@@ -215,6 +217,7 @@ class Producer:
     def _enqueue(self, f: Feed, batch: list[Prompt]) -> None:
         data: dict[str, EnqueueData] = {}
         states = self._known(f, batch)
+        engine_dir = self.cfg.features.engine_dir(f.ds.name) if f.ds.capture == "features" else None
         for p, state in zip(batch, states, strict=True):
             if state is not None:  # done, or queued / running / failed from an earlier producer
                 continue
@@ -223,7 +226,7 @@ class Producer:
                 self._record_invalid(f, Invalid(p.line, f"duplicate id {p.id!r} in one batch", duplicate=True))
                 continue
             try:
-                data[jid] = Queue.prepare_data(JOB_FUNC, args=(_payload(f.ds, p),), job_id=jid, timeout=-1,
+                data[jid] = Queue.prepare_data(JOB_FUNC, args=(_payload(f.ds, p, engine_dir),), job_id=jid, timeout=-1,
                                                result_ttl=self.cfg.producer.result_ttl_s, failure_ttl=jobs.KEEP_S,
                                                description=f"{f.ds.name}:{safe(p.id)[:120]}")
             except Exception as exc:  # noqa: BLE001 - one row that cannot become a job costs only that row
