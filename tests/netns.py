@@ -12,10 +12,10 @@ Faults, between two hosts, applied inside the first host's namespace:
   vanish, TCP retransmits and times out), not a refused connection.
 - ``lose(a, b, p)``: each packet between a and b dropped with probability p, each way
   (iptables' ``statistic`` match, in the kernel).
-- ``delay(...)``: latency. This kernel has no ``sch_netem`` (tc's qdisc kinds are refused), so
-  latency is a userspace TCP relay (tests/netns_relay.py) run on a host: every chunk it forwards
-  is held for RTT/2 in each direction. What it emulates is a link's propagation delay on a TCP
-  stream; not loss, reordering or bandwidth.
+- latency: the kernels this was written on have no ``sch_netem`` (``tc qdisc ... netem`` is
+  refused), so latency is a userspace TCP relay (simulator/relay.py) that holds every chunk for
+  RTT/2 each way: a link's propagation delay on a TCP stream, not loss or reordering.
+  bench/network_rtt.py runs it on loopback (no root needed).
 
 The test process itself reaches the fixture's Redis through a unix socket (a file, not bound
 to a namespace) and the servers through ``in_ns`` (a thread that joined the host's namespace).

@@ -93,7 +93,9 @@ def test_worker_cut_off_from_redis_mid_run(net, tmp_path):
           f"status after {gone_s:.1f} s, back {back_s:.1f} s after the heal; {_fenced(conn)} late answers fenced")
     states = check_invariants(conn, tmp_path / "out", "D", ids)
     assert states["committed"] == 160 and states["failed"] == 0
-    assert _fenced(conn) > 0  # w1 came back with answers for jobs another worker had committed
+    # w1 came back with answers for jobs another worker had taken over: refused by the commit script,
+    # or (a request that failed meanwhile) dropped as no longer its own
+    assert _fenced(conn) > 0 or "lease ran out" in procs.log(w1)
 
 
 def test_worker_cut_off_from_its_server(net, tmp_path):
