@@ -128,7 +128,7 @@ def parse_sentinel(url: str) -> SentinelUrl:
 
     def bad(why: str) -> ConfigError:
         return ConfigError(f"redis_url {redact_url(url)!r}: {why} "
-                           f"(redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE/DB)")
+                           f"(after redis+sentinel:// comes [USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE/DB)")
 
     rest = url[len(SENTINEL_SCHEME) + 3:].split("?", 1)[0]
     netloc, _, path = rest.partition("/")
@@ -268,6 +268,10 @@ def explain(exc: BaseException, url: str) -> str:
     if isinstance(exc, redis.TimeoutError):
         return (f"Redis at {where} did not answer within the socket timeout ({text}): a hung server, a firewall, "
                 f"or rediss:// (TLS) against a plain port?")
+    if isinstance(exc, redis.sentinel.MasterNotFoundError):
+        # redis-py's message holds the repr of every sentinel client it asked: keep its last error
+        last = text.rsplit("> - ", 1)[1] if "> - " in text else "they answered, naming no master of that service"
+        return f"cannot reach Redis at {where}: no sentinel named the master (last: {last})"
     if isinstance(exc, redis.BusyLoadingError):
         return f"Redis at {where} is still loading its data ({text})"
     if isinstance(exc, redis.ConnectionError | ConnectionError):

@@ -19,7 +19,7 @@ import redis
 
 from budgetq.shared import keys
 from budgetq.shared.errors import ConfigError
-from budgetq.shared.redis_conn import check_url, connect, connect_once, describe, parse_sentinel
+from budgetq.shared.redis_conn import check_url, connect, connect_once, describe, explain, parse_sentinel
 from budgetq.simulator.local import free_port
 from tests.helpers import PY, ROOT, Procs, check_invariants, cli_out, rows, wait_for, write_config, write_dataset
 
@@ -47,6 +47,15 @@ def test_a_sentinel_url_parses():
     assert (s.service, s.db, s.username, s.password) == ("my-master", 3, "app", "p@ss")
     assert parse_sentinel("redis+sentinel://h:1/m").db == 0
     assert describe("redis+sentinel://a:b@h:1,g:2/m/0") == "sentinel h:1,g:2 master m/0"
+
+
+def test_no_sentinel_answering_is_one_short_line():
+    url = f"redis+sentinel://:s3cret@127.0.0.1:{free_port()}/bq/0"
+    with pytest.raises(redis.ConnectionError) as err:
+        connect_once(url).ping()
+    msg = explain(err.value, url)
+    assert msg.startswith("cannot reach Redis at sentinel 127.0.0.1:") and "no sentinel named the master" in msg
+    assert "Connection refused" in msg and "s3cret" not in msg and "\n" not in msg and len(msg) < 300, msg
 
 
 class Replicated:
