@@ -1,6 +1,6 @@
 """Workers 20 ms (round trip) away from Redis vs. on loopback: output tok/s of the same run.
 
-    python bench/network_rtt.py [--quick | --smoke] [--rtt-ms 20]
+    python bench/network_rtt.py [--quick | --smoke] [--rtt-ms 20] [--length-mean 2000]
 
 The producer runs beside Redis (loopback) in both runs, as in a deployment where Redis and the
 producer share a host and the workers are on GPU nodes; the workers reach Redis either directly
@@ -70,6 +70,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--quick", action="store_true", help="short windows, one pair")
     ap.add_argument("--smoke", action="store_true", help="tiny, for the test suite")
     ap.add_argument("--rtt-ms", type=float, default=20.0)
+    ap.add_argument("--length-mean", type=int, default=2000, help="mean completion tokens (shorter: RTT weighs more)")
     args = ap.parse_args(argv)
     s = Settings(speedup=4, warmup_s=3, window_s=20, pairs=2, concurrencies=(64,), prompts=6000)
     if args.quick:
@@ -77,9 +78,10 @@ def main(argv: list[str]) -> None:
     if args.smoke:
         s = Settings(speedup=8, warmup_s=0.5, window_s=1.5, pairs=1, concurrencies=(32,), prompts=800)
     c.print_header(f"Workers {args.rtt_ms:g} ms RTT from Redis vs. loopback", ["bench/network_rtt.py", *argv])
-    print(f"simulator: --max-running-requests 256 --speedup {s.speedup} --length-mean 2000 --length-sigma 0.8; "
+    print(f"simulator: --max-running-requests 256 --speedup {s.speedup} --length-mean {args.length_mean} "
+          f"--length-sigma 0.8; "
           f"window {s.window_s} s after {s.warmup_s} s of warm-up; relay rtt {args.rtt_ms:g} ms\n", flush=True)
-    sim = c.Sim("--max-running-requests", "256", "--speedup", str(s.speedup), "--length-mean", "2000",
+    sim = c.Sim("--max-running-requests", "256", "--speedup", str(s.speedup), "--length-mean", str(args.length_mean),
                 "--length-sigma", "0.8", "--keep-records", "0")
     stack = c.Stack.start()
     rel, rtt_url = relay(stack.redis.port, args.rtt_ms)
