@@ -14,6 +14,12 @@ backoff; our scripts are idempotent, so such a retry never counts anything twice
 on a timeout (a hung server would cost 9 x 10 s per command) nor on a refused password.
 Longer outages are handled by the callers' loops (shared.retry.retry_redis) and, at start,
 by ``wait_ready`` / ``await_ready`` (up to ``redis_wait_s``).
+
+Redis Sentinel: ``redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE/DB`` names
+the sentinels and the master's service name; every client made here then asks the sentinels
+where the master is at each (re)connection, so after a failover the next reconnect (the
+retries above) reaches the promoted replica. USER:PASSWORD are the master's (and replicas');
+the sentinels are asked without a password.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aredis
 import redis.asyncio.retry as aretry
+import redis.asyncio.sentinel as asentinel
+import redis.sentinel
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
@@ -40,6 +49,7 @@ CONNECT_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 10.0
 _RETRY_ON = (redis.ConnectionError,)
 _SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEME = "redis+sentinel"
 
 
 def _retryable(exc: Exception) -> bool:
@@ -69,13 +79,17 @@ def check_url(url: str) -> None:
     from budgetq.shared.logs import redact_url
 
     shown = redact_url(url)
+    if url.startswith(SENTINEL_SCHEME + "://"):
+        parse_sentinel(url)
+        return
     try:
         parts = urlsplit(url)
         port = parts.port  # ValueError for a non-numeric or out-of-range port
     except ValueError as exc:
         raise ConfigError(f"redis_url {shown!r}: {exc}") from None
     if parts.scheme not in _SCHEMES:
-        raise ConfigError(f"redis_url {shown!r}: the scheme must be redis://, rediss:// (TLS) or unix://")
+        raise ConfigError(f"redis_url {shown!r}: the scheme must be redis://, rediss:// (TLS), unix:// or "
+                          f"redis+sentinel://")
     if parts.scheme == "unix":
         if not parts.path:
             raise ConfigError(f"redis_url {shown!r}: no socket path (unix:///path/to/redis.sock)")
@@ -93,8 +107,53 @@ def check_url(url: str) -> None:
         raise ConfigError(f"redis_url {shown!r}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A parsed ``redis+sentinel://`` URL."""
+
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int
+    username: str | None
+    password: str | None
+
+    def master_kwargs(self) -> dict[str, Any]:
+        return {"db": self.db, "username": self.username, "password": self.password}
+
+
+def parse_sentinel(url: str) -> SentinelUrl:
+    """``redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE/DB``; ConfigError (one line,
+    the password masked) when it is not that."""
+    from budgetq.shared.logs import redact_url
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"redis_url {redact_url(url)!r}: {why} "
+                           f"(after redis+sentinel:// comes [USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE/DB)")
+
+    rest = url[len(SENTINEL_SCHEME) + 3:].split("?", 1)[0]
+    netloc, _, path = rest.partition("/")
+    creds, _, hosts = netloc.rpartition("@")
+    username = password = None
+    if creds:
+        user, colon, pw = creds.partition(":")
+        username, password = (unquote(user) or None), (unquote(pw) if colon else None)
+    sentinels = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        host = host.strip("[]")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad(f"{item.strip() or 'an empty host'!r} is not HOST:PORT")
+        sentinels.append((host, int(port)))
+    service, _, db = path.strip("/").partition("/")
+    if not service:
+        raise bad("no SERVICE (the master's name in the sentinels' config)")
+    if db and not db.isdigit():
+        raise bad(f"the database must be a number (got /{db})")
+    return SentinelUrl(sentinels, unquote(service), int(db or 0), username, password)
+
+
 def _timeouts(url: str) -> dict[str, Any]:
-    query = parse_qs(urlsplit(url).query)
+    query = parse_qs(url.split("?", 1)[1] if "?" in url else "")
     kw: dict[str, Any] = {}
     if "socket_connect_timeout" not in query:
         kw["socket_connect_timeout"] = CONNECT_TIMEOUT_S
@@ -106,23 +165,45 @@ def _timeouts(url: str) -> dict[str, Any]:
 def connect(url: str) -> redis.Redis:
     """A blocking client (producer, CLI, RQ bookkeeping). Works with redis://, rediss://, user:password@."""
     check_url(url)
-    return redis.Redis.from_url(url, retry=_SyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON),
-                                health_check_interval=15, **_timeouts(url))
+    kw: dict[str, Any] = {"retry": _SyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON),
+                          "health_check_interval": 15, **_timeouts(url)}
+    if url.startswith(SENTINEL_SCHEME + "://"):
+        return _sentinel_master(url, kw)
+    return redis.Redis.from_url(url, **kw)
+
+
+def _sentinel_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if k in ("socket_timeout", "socket_connect_timeout")}
+
+
+def _sentinel_master(url: str, kw: dict[str, Any]) -> redis.Redis:
+    s = parse_sentinel(url)
+    sentinel = redis.sentinel.Sentinel(s.sentinels, sentinel_kwargs=_sentinel_kwargs(kw), **kw)
+    return sentinel.master_for(s.service, **s.master_kwargs())
 
 
 def connect_once(url: str, timeout_s: float = 3.0) -> redis.Redis:
     """A client that fails fast: short socket timeouts and no retries (``budgetq check``)."""
-    return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                retry=Retry(NoBackoff(), 0), retry_on_error=[])
+    kw: dict[str, Any] = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s,
+                          "retry": Retry(NoBackoff(), 0), "retry_on_error": []}
+    if url.startswith(SENTINEL_SCHEME + "://"):
+        return _sentinel_master(url, kw)
+    return redis.Redis.from_url(url, **kw)
 
 
 def aconnect(url: str, max_connections: int = 32) -> aredis.Redis:
     """An asyncio client on a *blocking* pool: with hundreds of tasks, a plain pool would
     raise MaxConnectionsError instead of waiting for a free connection."""
     check_url(url)
-    pool = aredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=30, health_check_interval=15,
-        retry=_AsyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON), **_timeouts(url))
+    kw: dict[str, Any] = {"health_check_interval": 15, **_timeouts(url),
+                          "retry": _AsyncRetry(_backoff(), retries=8, supported_errors=_RETRY_ON)}
+    if url.startswith(SENTINEL_SCHEME + "://"):
+        # redis-py's sentinel pool is not a blocking one; the Batcher coalesces every task's calls
+        # into a few pipelines, so it opens a few connections, not one per task.
+        s = parse_sentinel(url)
+        sentinel = asentinel.Sentinel(s.sentinels, sentinel_kwargs=_sentinel_kwargs(kw), **kw)
+        return sentinel.master_for(s.service, **s.master_kwargs())
+    pool = aredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30, **kw)
     # from_pool: the client owns its pool, so aclose() closes the pool's connections too (a client
     # built with connection_pool= leaves them open: unclosed transports when the loop ends).
     return aredis.Redis.from_pool(pool)
@@ -149,6 +230,10 @@ def dataset_names(conn: redis.Redis) -> list[str]:
 
 def describe(url: str) -> str:
     """host:port/db of a Redis URL, without user or password (safe to log)."""
+    if url.startswith(SENTINEL_SCHEME + "://"):
+        rest = url.split("://", 1)[1].split("?")[0].rsplit("@", 1)[-1]
+        hosts, _, path = rest.partition("/")
+        return f"sentinel {hosts} master {path.strip('/') or '?'}"
     try:
         parts = urlsplit(url)
         if parts.scheme == "unix":
@@ -183,6 +268,10 @@ def explain(exc: BaseException, url: str) -> str:
     if isinstance(exc, redis.TimeoutError):
         return (f"Redis at {where} did not answer within the socket timeout ({text}): a hung server, a firewall, "
                 f"or rediss:// (TLS) against a plain port?")
+    if isinstance(exc, redis.sentinel.MasterNotFoundError):
+        # redis-py's message holds the repr of every sentinel client it asked: keep its last error
+        last = text.rsplit("> - ", 1)[1] if "> - " in text else "they answered, naming no master of that service"
+        return f"cannot reach Redis at {where}: no sentinel named the master (last: {last})"
     if isinstance(exc, redis.BusyLoadingError):
         return f"Redis at {where} is still loading its data ({text})"
     if isinstance(exc, redis.ConnectionError | ConnectionError):

@@ -73,20 +73,21 @@ class Procs:
         self.procs: list[subprocess.Popen] = []
         self._n = 0
 
-    def start(self, *args: str) -> subprocess.Popen:
+    def start(self, *args: str, on: Sequence[str] = ()) -> subprocess.Popen:
+        """``budgetq ARGS -c cfg``; ``on``: a command prefix that runs it elsewhere (a host of tests/netns.py)."""
         self._n += 1
         with open(self.log_dir / f"{args[0]}-{self._n}.log", "w") as log:  # the child keeps its own copy
-            p = subprocess.Popen([*PY, *args, "-c", str(self.cfg)], cwd=ROOT, env=dict(os.environ),
+            p = subprocess.Popen([*on, *PY, *args, "-c", str(self.cfg)], cwd=ROOT, env=dict(os.environ),
                                  stdout=log, stderr=subprocess.STDOUT)
         p.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(p)
         return p
 
-    def worker(self, *extra: str) -> subprocess.Popen:
-        return self.start("worker", *extra)
+    def worker(self, *extra: str, on: Sequence[str] = ()) -> subprocess.Popen:
+        return self.start("worker", *extra, on=on)
 
-    def producer(self) -> subprocess.Popen:
-        return self.start("produce")
+    def producer(self, on: Sequence[str] = ()) -> subprocess.Popen:
+        return self.start("produce", on=on)
 
     def stop_all(self) -> None:
         for p in self.procs:

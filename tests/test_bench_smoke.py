@@ -33,6 +33,7 @@ KEY_RATIO = {
     "prefix_routing": "ratio prefix / least_loaded",
     "concurrency_auto": "ratio auto / best fixed",
     "features": "ratio pass / direct",
+    "network_rtt": "ratio rtt / loopback",
 }
 
 

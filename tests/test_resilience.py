@@ -83,6 +83,35 @@ def test_workers_killed_at_random_moments_lose_nothing_and_count_nothing_twice(t
     assert recovered > 0  # jobs of killed workers were requeued by the maintenance pass
 
 
+def test_frozen_worker_past_its_lease_then_thawed(tmp_path, redis_url, conn, sim_factory):
+    """SIGSTOP (a VM paused, a process swapped out, a debugger) past the lease, then SIGCONT: the
+    other worker has taken the jobs over; the thawed one comes back with answers in hand, and the
+    commit script fences them (done set, reservation), so nothing is written or counted twice."""
+    sim = sim_factory("--speedup", "2", "--length-mean", "300", "--seed", "5")  # ~0.6 s requests
+    ids, specs = _datasets(tmp_path, ["D"], n=300, budget="1M")
+    cfg = write_config(tmp_path, redis_url, [sim], specs, worker={"concurrency": 8, **FAST})
+    procs = Procs(cfg, tmp_path)
+    frozen, _other = procs.worker(), procs.worker()
+    producer = procs.producer()
+    try:
+        held = wait_for(lambda: holders(conn, "D", frozen.pid), 60, "the worker to hold jobs")
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: _recovered_at(conn, "D", held, frozen.pid), 60, "its jobs to run elsewhere")
+            time.sleep(2 * FAST["heartbeat_ttl_s"])  # frozen well past its lease, not a wait on a condition
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        assert producer.wait(120) == 0, procs.log(producer)
+        assert frozen.poll() is None, "the thawed worker died"
+    finally:
+        procs.stop_all()
+    states = check_invariants(conn, tmp_path / "out", "D", ids["D"])  # I1: used == the rows' tokens
+    assert states["committed"] == 300 and states["failed"] == 0
+    stats = conn.hgetall(keys.stats_key("D"))
+    print(f"{len(held)} jobs held when frozen; late answers fenced: {int(stats.get(b'duplicate_result', 0))} "
+          f"duplicate, {int(stats.get(b'rejected', 0))} rejected")
+
+
 def test_sigterm_lets_requests_finish_and_exits_zero(tmp_path, redis_url, conn, sim_factory):
     # ~2 s requests; the worker gets SIGTERM while they run and a 20 s grace period.
     sim = sim_factory("--speedup", "1", "--length-mean", "1000", "--length-sigma", "0.05", "--peak-tok-s", "8000")

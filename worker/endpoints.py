@@ -172,6 +172,19 @@ class EndpointPool:
         self._down_logged_at = 0.0
         self._detecting: dict[str, asyncio.Lock] = {}
 
+    @property
+    def any_healthy(self) -> bool:
+        return self._any_healthy.is_set()
+
+    async def until_healthy(self, stop: asyncio.Event) -> None:
+        """Return once an endpoint is healthy (at once if one is), or ``stop`` is set."""
+        waits = {asyncio.ensure_future(self._any_healthy.wait()), asyncio.ensure_future(stop.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
     def pick(self, key: bytes | None = None) -> Endpoint | None:
         """Where the next request goes: by ``key`` (prefix routing) within the load bound, else
         the healthy endpoint with the fewest requests in flight (ties broken at random)."""

@@ -161,6 +161,9 @@ class ConcurrentWorker:
     async def _feed(self) -> None:
         idle = 0
         while not self.stopping.is_set():
+            if not self.client.pool.any_healthy:
+                await self._servers_down()
+                continue
             room = self.concurrency + self.prefetch - self._unparked()
             if room <= 0:
                 self.wake.clear()
@@ -197,6 +200,21 @@ class ConcurrentWorker:
                 await asyncio.wait_for(self.wake.wait(), timeout=min(0.2, 0.002 * 2 ** min(idle, 7)))
             except TimeoutError:
                 pass
+
+    async def _servers_down(self) -> None:
+        """No server answers (our link to them cut, or all down): give the jobs back to the queue, where a
+        worker that reaches a server takes them; claim nothing until one answers. Commits are kept."""
+        back = [t for t in self.jobs.values() if t.phase is not Phase.COMMITTING]
+        if back:
+            log.warning("worker %s: all servers are down (%s): handing %d jobs back to the queue; claiming again "
+                        "once one answers", self.name, ", ".join(self.cfg.server.urls), len(back))
+        for t in back:
+            t.cancel(Abort.SHUTDOWN)
+        await self.client.pool.until_healthy(self.stopping)
+
+    async def _watch_servers(self) -> None:
+        if not self.client.pool.any_healthy:  # wake the feeder, which may be waiting for room
+            self.wake.set()
 
     # -- background loops ----------------------------------------------------------------
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], what: str) -> None:
@@ -323,6 +341,7 @@ class ConcurrentWorker:
                 self._every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat"),
                 self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
                 self._every(FLUSH_INTERVAL_S, self.recorder.flush, "stats"),
+                self._every(FLUSH_INTERVAL_S, self._watch_servers, "servers"),
                 self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
                 *([self.capacity.run(self.stopping)] if self.capacity else []),
             )]

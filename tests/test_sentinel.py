@@ -1,0 +1,173 @@
+"""Redis Sentinel: ``redis+sentinel://`` URLs, and a run whose master is SIGKILLed for good mid-run.
+
+Loopback, no namespaces: a master, one replica and three sentinels (quorum 2), each a
+``redis-server`` process (``--sentinel`` is Sentinel mode of the same binary). Idle sentinels
+cost next to nothing, so the realistic three fit on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from budgetq.shared import keys
+from budgetq.shared.errors import ConfigError
+from budgetq.shared.redis_conn import check_url, connect, connect_once, describe, explain, parse_sentinel
+from budgetq.simulator.local import free_port
+from tests.helpers import PY, ROOT, Procs, check_invariants, cli_out, rows, wait_for, write_config, write_dataset
+
+SERVICE = "bq"
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("redis+sentinel://u:s3cret@h1:26379,h2/bq/0", "'h2' is not HOST:PORT"),
+    ("redis+sentinel://u:s3cret@h1:26379,h2:99999/bq/0", "'h2:99999' is not HOST:PORT"),
+    ("redis+sentinel://:s3cret@h1:26379", "no SERVICE"),
+    ("redis+sentinel://:s3cret@h1:26379/bq/x", "the database must be a number (got /x)"),
+    ("redis+sentinel://:s3cret@/bq/0", "an empty host"),
+])
+def test_a_malformed_sentinel_url_is_one_line_naming_it_without_the_password(url, why):
+    with pytest.raises(ConfigError) as err:
+        check_url(url)
+    msg = str(err.value)
+    assert why in msg and "s3cret" not in msg and "***" in msg and "\n" not in msg
+    assert msg.startswith("redis_url 'redis+sentinel://")
+
+
+def test_a_sentinel_url_parses():
+    s = parse_sentinel("redis+sentinel://app:p%40ss@10.0.0.1:26379,10.0.0.2:26380,[::1]:26381/my-master/3")
+    assert s.sentinels == [("10.0.0.1", 26379), ("10.0.0.2", 26380), ("::1", 26381)]
+    assert (s.service, s.db, s.username, s.password) == ("my-master", 3, "app", "p@ss")
+    assert parse_sentinel("redis+sentinel://h:1/m").db == 0
+    assert describe("redis+sentinel://a:b@h:1,g:2/m/0") == "sentinel h:1,g:2 master m/0"
+
+
+def test_no_sentinel_answering_is_one_short_line():
+    url = f"redis+sentinel://:s3cret@127.0.0.1:{free_port()}/bq/0"
+    with pytest.raises(redis.ConnectionError) as err:
+        connect_once(url).ping()
+    msg = explain(err.value, url)
+    assert msg.startswith("cannot reach Redis at sentinel 127.0.0.1:") and "no sentinel named the master" in msg
+    assert "Connection refused" in msg and "s3cret" not in msg and "\n" not in msg and len(msg) < 300, msg
+
+
+class Replicated:
+    """Master, replica and three sentinels on loopback; ``url`` is the redis+sentinel:// URL."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="budgetq-sentinel-"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.master_port, self.replica_port = free_port(), free_port()
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        try:
+            self._server("master", self.master_port)
+            self._server("replica", self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port))
+            for i, port in enumerate(self.sentinel_ports):
+                conf = self.dir / f"sentinel{i}.conf"  # a sentinel rewrites its config: one file each
+                conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                                f"sentinel monitor {SERVICE} 127.0.0.1 {self.master_port} 2\n"
+                                f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+                                f"sentinel failover-timeout {SERVICE} 5000\n")
+                self._spawn(f"sentinel{i}", str(conf), "--sentinel")
+            sentinel = redis.Redis(port=self.sentinel_ports[0])
+            # ready for a failover: the replica in sync, and each sentinel knows the other two
+            wait_for(lambda: redis.Redis(port=self.replica_port).info("replication").get("master_link_status") == "up",
+                     60, "the replica to sync")
+            wait_for(lambda: all(len(redis.Redis(port=p).sentinel_sentinels(SERVICE)) == 2 and
+                                 len(redis.Redis(port=p).sentinel_slaves(SERVICE)) == 1 for p in self.sentinel_ports),
+                     60, "the sentinels to know each other and the replica")
+            assert sentinel.sentinel_get_master_addr_by_name(SERVICE)[1] == self.master_port
+        except BaseException:
+            self.stop()
+            raise
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        self.url = f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def _spawn(self, name: str, *args: str) -> None:
+        with open(self.dir / f"{name}.log", "w") as log:
+            self.procs[name] = subprocess.Popen(["redis-server", *args], stdout=log, stderr=subprocess.STDOUT)
+
+    def _server(self, name: str, port: int, *extra: str) -> None:
+        self._spawn(name, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
+                    "--dbfilename", f"{name}.rdb", "--appendonly", "no", *extra)
+        wait_for(lambda: _pings(port), 60, f"redis {name} to start")
+
+    def master_addr(self) -> int:
+        return int(redis.Redis(port=self.sentinel_ports[0]).sentinel_get_master_addr_by_name(SERVICE)[1])
+
+    def kill_master(self) -> None:
+        self.procs["master"].send_signal(signal.SIGKILL)
+        self.procs["master"].wait(10)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pings(port: int) -> bool:
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1).ping())
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.fixture
+def replicated():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not found (apt-get install redis-server)")
+    r = Replicated()
+    yield r
+    r.stop()
+
+
+def test_master_killed_for_good_mid_run_the_run_completes_on_the_promoted_replica(tmp_path, replicated,
+                                                                                   sim_factory):
+    sim = sim_factory("--speedup", "4", "--length-mean", "300", "--seed", "6")
+    ids = write_dataset(tmp_path / "D.jsonl", 240)
+    specs = [{"name": "D", "path": str(tmp_path / "D.jsonl"), "budget": "10M", "id_field": "id",
+              "sampling": {"max_tokens": 2000}, "prior_mean_tokens": 300}]
+    cfg = write_config(tmp_path, replicated.url, [sim], specs,
+                       worker={"concurrency": 8, "heartbeat_ttl_s": 4, "maintenance_interval_s": 0.5,
+                               "control_interval_s": 0.2})
+    master = redis.Redis(port=replicated.master_port)
+    procs = Procs(cfg, tmp_path)
+    workers = [procs.worker(), procs.worker()]
+    producer = procs.producer()
+    try:
+        wait_for(lambda: int(master.hget(keys.stats_key("D"), "committed") or 0) >= 40, 60, "the run to get going")
+        replicated.kill_master()
+        killed_at = time.monotonic()
+        wait_for(lambda: replicated.master_addr() == replicated.replica_port, 60, "the replica promoted")
+        promoted_s = time.monotonic() - killed_at
+        assert producer.wait(180) == 0, procs.log(producer)
+        assert all(w.poll() is None for w in workers), "a worker died with the master"
+        status = cli_out(cfg, "status")  # status follows the sentinels too
+    finally:
+        procs.stop_all()
+    assert "D" in status
+    logs = "".join(procs.log(p) for p in procs.procs)
+    assert "Traceback" not in logs
+    conn = connect(replicated.url)
+    assert conn.connection_pool.get_master_address()[1] == replicated.replica_port
+    assert connect_once(replicated.url).ping()  # budgetq check's fail-fast client follows it too
+    out = tmp_path / "out"
+    on_disk = sum(r["completion_tokens"] for r in rows(out / "D.jsonl"))
+    used_after_run = int(conn.get(keys.used_key("D")) or 0)
+    # Replication is asynchronous: increments the master acknowledged but had not yet sent to the
+    # replica are gone with it. The rows on disk are the truth; reconcile brings Redis back to them.
+    rec = subprocess.run([*PY, "reconcile", "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert rec.returncode == 0, rec.stderr
+    print(f"promoted after {promoted_s:.1f} s; used {used_after_run} after the run, {on_disk} on disk; "
+          f"reconcile: {rec.stdout.strip()[-300:]}")
+    states = check_invariants(conn, out, "D", ids)  # used == the rows' tokens, each prompt once
+    assert states["committed"] == 240 and states["failed"] == 0
