@@ -128,16 +128,17 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny, for the test suite")
     args = ap.parse_args(argv)
     n, groups = 8000, 256
+    workloads = (("uniform", 0.0), ("zipf", 1.0))
     if args.quick:
         n = 2500
-    if args.smoke:
-        n, groups = 300, 32
+    if args.smoke:  # one workload: each run starts 4 simulators, a worker and a producer
+        n, groups, workloads = 300, 32, workloads[:1]
     c.print_header("Prefix-aware routing vs. least in flight: prefill saved on 4 servers",
                    ["bench/prefix_routing.py", *argv])
     stack = c.Stack.start()
     try:
         runs = []
-        for workload, zipf_s in (("uniform", 0.0), ("zipf", 1.0)):
+        for workload, zipf_s in workloads:
             data = stack.dir / f"{DS}-{workload}.jsonl"
             write_workload(data, n, groups, zipf_s)
             for routing in ("least_loaded", "prefix"):

@@ -71,15 +71,13 @@ class ConcurrentWorker:
         self.slots = Slots(START * len(cfg.server.urls) if concurrency == "auto" else concurrency)
         self.jobs: JobTable = {}
         self.length = LengthModel()
-        # Redis round trips outside the batcher (heartbeats, status); with the batcher's, the
-        # recorder's and control's, the orchestration cost per prompt (bench/orchestration.py).
+        # Redis round trips outside the batcher (heartbeats, status): part of bench/orchestration.py's cost.
         self.other_round_trips = 0
         self.stopping = asyncio.Event()
         self.forced = False
         self._stop_at: float | None = None     # monotonic time of the first / second signal
         self._forced_at: float | None = None
-        # True when the exit deadline passed with calls still blocked on Redis in threads: the
-        # CLI then exits without joining them (they would hold the exit until their socket timeout).
+        # The exit deadline passed with calls blocked on Redis in threads: the CLI exits without joining them.
         self.abandoned = False
         self.rq_worker: Worker | None = None
         self.wake = asyncio.Event()
@@ -162,7 +160,8 @@ class ConcurrentWorker:
         idle = 0
         while not self.stopping.is_set():
             if not self.client.pool.any_healthy:
-                await self._servers_down()
+                if await self._servers_down():
+                    return
                 continue
             room = self.concurrency + self.prefetch - self._unparked()
             if room <= 0:
@@ -201,19 +200,20 @@ class ConcurrentWorker:
             except TimeoutError:
                 pass
 
-    async def _servers_down(self) -> None:
-        """No server answers (our link to them cut, or all down): give the jobs back to the queue, where a
-        worker that reaches a server takes them; claim nothing until one answers. Commits are kept."""
+    async def _servers_down(self) -> bool:
+        """No server answers (our link cut, or all down): the jobs go back to the queue (commits are kept) for a
+        worker that reaches one; claim nothing until one answers. True: a burst worker, which exits instead."""
         back = [t for t in self.jobs.values() if t.phase is not Phase.COMMITTING]
-        if back:
-            log.warning("worker %s: all servers are down (%s): handing %d jobs back to the queue; claiming again "
-                        "once one answers", self.name, ", ".join(self.cfg.server.urls), len(back))
+        log.warning("worker %s: all servers are down (%s): handing %d jobs back to the queue; %s", self.name,
+                    ", ".join(self.cfg.server.urls), len(back), "exiting (--burst)" if self.burst else "waiting")
         for t in back:
             t.cancel(Abort.SHUTDOWN)
-        await self.client.pool.until_healthy(self.stopping)
+        if not self.burst:
+            await self.client.pool.until_healthy(self.stopping)
+        return self.burst
 
-    async def _watch_servers(self) -> None:
-        if not self.client.pool.any_healthy:  # wake the feeder, which may be waiting for room
+    async def _watch_servers(self) -> None:  # wake the feeder, which may be waiting for room
+        if not self.client.pool.any_healthy:
             self.wake.set()
 
     # -- background loops ----------------------------------------------------------------
