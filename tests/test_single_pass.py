@@ -118,3 +118,17 @@ def test_the_end_of_a_pass_removes_engine_files_no_row_kept(tmp_path):
     _engine_file(engine / "A-p1.0123456789ab.safetensors", [1, 2])
     (engine / "A-p1.0123456789ab.safetensors.lock").write_text("")
     assert store.sweep_incoming() == 2 and not list(engine.iterdir())
+
+
+def test_a_row_naming_a_file_outside_the_engine_folder_is_prefilled_and_the_file_left_alone(tmp_path):
+    from budgetq.hidden_states.capture.vllm_backend import VllmBackend
+
+    cfg = Config.model_validate({"features": {"backend": "vllm", "store": str(tmp_path / "store"),
+                                              "model": {"path": str(tmp_path)}, "server": {"urls": ["http://h:1"]}}})
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    payload = FeaturesPayload(id="p1", dataset="A", input_ids=[1, 2, 3], loss_start=1, loss_end=3,
+                              engine_file=str(tmp_path / "store" / "A" / "features" / "engine" / ".." / ".." / ".."
+                                              / ".." / "precious.txt"))
+    assert asyncio.run(VllmBackend(cfg)._from_generation(payload, payload.engine_file or "")) is None
+    assert victim.read_text() == "keep me"

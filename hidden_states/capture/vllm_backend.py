@@ -40,6 +40,7 @@ from budgetq.hidden_states.schema import FeaturesPayload
 from budgetq.hidden_states.store.safetensors_io import ShardError, read_header, read_tensor
 from budgetq.hidden_states.store.shards import INCOMING, features_dir, features_root
 from budgetq.shared.config import Config, ServerConfig
+from budgetq.shared.config_features import ENGINE_DIR
 from budgetq.shared.identity import encode_id
 from budgetq.worker.sglang_client import HiddenStatesClient
 
@@ -202,7 +203,13 @@ class VllmBackend:
 
     async def _from_generation(self, payload: FeaturesPayload, path: str) -> Captured | None:
         """features.vllm.single_pass: the file the engine wrote during the row's generation request, as the sample;
-        None (and the file removed) where it cannot be used, and the caller prefills as without single_pass."""
+        None (and the file removed) where it cannot be used, and the caller prefills as without single_pass.
+        Only a file in the dataset's engine folder is read (or removed): a row names it, and rows can be edited."""
+        engine = (features_dir(self.root, payload.dataset) / ENGINE_DIR).resolve()
+        if Path(path).resolve().parent != engine:
+            log.warning("features %s: row %r names %s, which is not in %s: prefilling it", payload.dataset,
+                        payload.id, path, engine)
+            return None
         try:
             await wait_written(path, self.cfg.features.vllm.file_wait_s)
             stored = await asyncio.to_thread(generation_sample, path, payload)
