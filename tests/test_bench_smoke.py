@@ -32,6 +32,8 @@ KEY_RATIO = {
     "prefix_routing": "ratio prefix / least_loaded",
     "concurrency_auto": "ratio auto / best fixed",
     "features": "ratio pass / direct",
+    "features_store": "ratio tok/s to stream",
+    "fp8_error": "ratio agreeing",
 }
 
 

@@ -121,3 +121,30 @@ def test_each_dataset_stops_capturing_at_its_share(tmp_path, redis_url, conn, si
     assert "disk budget reached" in text.stdout and "2.00 KB" in text.stdout, text.stdout
     res = run_features(cfg, "--check")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_plan_shows_bytes_per_token_what_the_budgets_take_and_the_disk_budgets(tmp_path):
+    from budgetq.producer.ops.plan import format_plan, make_plan
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 576, "num_hidden_layers": 30}))
+    rows = tmp_path / "a.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"hello {i}"}) + "\n" for i in range(2000)))
+    raw = {"redis_url": "redis://127.0.0.1:1/0", "server": {"urls": ["http://127.0.0.1:9"], "tokenizer": str(model)},
+           "run": {"total_budget": "1M"},
+           "features": {"backend": "transformers", "model": {"path": str(model)}, "max_bytes": "4G"},
+           "datasets": [{"name": "chat", "path": str(rows), "weight": 3, "capture": "features"},
+                        {"name": "code", "path": str(rows), "weight": 1, "capture": "features",
+                         "features_max_bytes": "500M"}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    p = make_plan(load_config(tmp_path / "c.yaml"), timeout_s=0.2)
+    by = {r.name: r for r in p.rows}
+    assert by["chat"].bytes_per_token == by["code"].bytes_per_token == 4 * 576 * 2 + 5
+    assert by["chat"].features_bytes == by["chat"].budget * 4613
+    assert by["code"].disk_budget == 500_000_000 and by["chat"].disk_budget == 3_500_000_000
+    assert [t["hidden"] for t in p.disk_table] == [576, 4096, 7168]
+    assert p.disk_table[2]["bf16_per_token"] == 57349 and p.disk_table[0]["model"]
+    text = format_plan(p)
+    assert "chat: 4,613 bytes/token" in text and "disk budget 3.50 GB" in text
+    assert "7168        57,349" in text

@@ -226,8 +226,10 @@ def _format_disk(p: Plan) -> list[str]:
     for r in p.rows:
         per = (f"{r.bytes_per_token:,} bytes/token" if r.bytes_per_token
                else "bytes/token unknown (no local config.json)")
+        first = (r.features_bytes is not None and r.disk_budget is not None and r.features_bytes > r.disk_budget)
         lines.append(f"  {r.name}: {per}, budget {format_tokens(r.budget)} tokens -> {fb(r.features_bytes)}; "
-                     f"disk budget {fb(r.disk_budget) if r.disk_budget is not None else 'none'}")
+                     f"disk budget {fb(r.disk_budget) if r.disk_budget is not None else 'none'}"
+                     + (" (the disk budget stops its capture first)" if first else ""))
     if p.disk_table:
         t = p.disk_table[0]
         lines.append(f"  all {format_tokens(t['tokens'])} tokens, {t['layers']} layers stored:")
