@@ -6,16 +6,18 @@ the right shape, each token within cosine 0.99 of the original."""
 
 from __future__ import annotations
 
+import subprocess
 from functools import partial
 
 import numpy as np
 import pytest
+import yaml
 
 from budgetq.hidden_states.collect.export import export_specforge_offline
 from budgetq.hidden_states.schema import FeaturesMeta
 from budgetq.hidden_states.store import fp8
 from budgetq.hidden_states.store.safetensors_io import read_header, read_tensor
-from budgetq.hidden_states.store.shards import FeatureStore, features_dir, write_sample_shard
+from budgetq.hidden_states.store.shards import FeatureStore, features_dir, index_rows, write_sample_shard
 
 torch = pytest.importorskip("torch")
 
@@ -154,3 +156,58 @@ def test_fp8_round_trip_through_the_export_into_specforges_loader(tmp_path, spec
         assert t["input_ids"][0].tolist() == meta.input_ids
         seen += 1
     assert seen == 4
+
+
+def test_the_synthetic_backend_is_refused_without_its_own_section(tmp_path):
+    from budgetq.shared.config_load import load_config
+    from budgetq.shared.errors import ConfigError
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "server": {"urls": ["http://127.0.0.1:9"]}, "features": {"backend": "synthetic"},
+        "datasets": [{"name": "A", "path": str(tmp_path / "a.jsonl"), "budget": "1k"}]}))
+    with pytest.raises(ConfigError, match="features.backend synthetic makes up its tensors .* features.synthetic"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_fp8_through_a_whole_pass_with_the_store(tmp_path, redis_url):
+    """`budgetq features` + a features worker (synthetic backend: known tensors, no model) with features.store and
+    features.dtype fp8: every row in exactly one fp8 shard, `--check` consistent, and the export's bf16 files
+    within cosine 0.99 of the bf16 the backend handed over, token for token."""
+    from budgetq.hidden_states.capture.decode import to_dtype
+    from tests.helpers import PY, ROOT, Procs
+    from tests.test_features import features_config, run_features, write_rows
+    from tests.test_features_store import exactly_once
+
+    cfg = features_config(tmp_path, redis_url, "http://127.0.0.1:9", backend="synthetic", dtype="fp8",
+                          synthetic={"hidden_size": H, "aux_layers": 3, "max_tokens": 256})
+    raw = yaml.safe_load(cfg.read_text())
+    raw["features"]["store"] = str(tmp_path / "store")
+    cfg.write_text(yaml.safe_dump(raw))
+    ids = write_rows(tmp_path / "out", "A", 8)
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.start("features-worker")
+        res = run_features(cfg)
+    finally:
+        procs.stop_all()
+    assert res.returncode == 0, res.stdout + res.stderr
+    exactly_once(tmp_path / "store", ids)
+    rows = index_rows(features_dir(tmp_path / "store", "A") / "index.jsonl")
+    assert {r["dtype"] for r in rows} == {"fp8"}
+    res = run_features(cfg, "--check")
+    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
+    done = subprocess.run([*PY, "export", "-c", str(cfg), "--format", "specforge-offline", "--out",
+                           str(tmp_path / "exp")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # what the synthetic backend hands over: the first tokens x H values of its buffer, then the aux block
+    values = np.random.default_rng(0).standard_normal((256, 4 * H), dtype=np.float32)
+    flat = fp8.bf16_to_f32(to_dtype(values, "bfloat16"), (256 * 4 * H,))
+    for i, r in enumerate(rows):
+        n = r["shape"][0]
+        point = torch.load(tmp_path / "exp" / "A.specforge-offline" / f"rows_0-5000/data_{i}.ckpt")
+        for name, want in (("hidden_state", flat[: n * H].reshape(n, H)),
+                           ("aux_hidden_state", flat[n * H: 4 * n * H].reshape(n, 3 * H))):
+            got = point[name]
+            assert got.dtype == torch.bfloat16 and tuple(got.shape) == (1, *want.shape)
+            cos = torch.nn.functional.cosine_similarity(got[0].float(), torch.from_numpy(want.copy()), dim=-1)
+            assert float(cos.min()) >= 0.99, (r["id"], name, float(cos.min()))
