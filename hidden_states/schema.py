@@ -6,7 +6,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FeaturesDtype = Literal["float16", "bfloat16"]
+FeaturesDtype = Literal["float16", "bfloat16", "fp8"]
+
+
+def wire_dtype(dtype: str) -> str:
+    """What a capture backend hands over for a stored dtype: fp8 is made from bf16 where the shard is written
+    (hidden_states/store/fp8.py), so backends and the results stream carry bf16 for it."""
+    return "bfloat16" if dtype == "fp8" else dtype
 
 
 class FeaturesPayload(BaseModel):

@@ -134,6 +134,9 @@ class DatasetConfig(Strict):
     # features: `budgetq produce` also captures each committed row's hidden states (the features
     # pass, docs/hidden_states.md) and ends only once every row has them; none: it does not.
     capture: Literal["none", "features"] = "none"
+    # This dataset's hidden states stop before they pass this many bytes on disk (10G-style counts); with
+    # features.max_bytes it caps the dataset's weighted share of it (docs/hidden_states.md "Disk as a budget").
+    features_max_bytes: TokenCount | None = None
 
     @model_validator(mode="before")
     @classmethod

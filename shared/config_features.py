@@ -41,7 +41,7 @@ class FeaturesModelConfig(Strict):
 
     # A local directory or a hub id (as AutoModel.from_pretrained takes it).
     path: str = Field(min_length=1)
-    # The dtype the model runs in; None: features.dtype.
+    # The dtype the model runs in; None: features.dtype (bfloat16 for fp8).
     dtype: Literal["float16", "bfloat16", "float32"] | None = None
     # Where it runs: "cpu", "cuda", "cuda:1"...; or device_map ("auto" spreads a model over the GPUs).
     device: str = "cpu"
@@ -71,12 +71,22 @@ class FeaturesVllmConfig(Strict):
     single_pass: bool = False
 
 
+class FeaturesSyntheticConfig(Strict):
+    """The ``synthetic`` capture backend (hidden_states/capture/synthetic_backend.py): made-up tensors at memory
+    speed, no model. For tests and bench/features_store.py only."""
+
+    hidden_size: int = Field(gt=0)
+    aux_layers: int = Field(default=3, ge=0)   # EAGLE-3 stores 3 aux layers + the target
+    max_tokens: int = Field(default=8192, gt=0)  # the longest sample it serves (its buffer)
+
+
 class FeaturesConfig(Strict):
     server: FeaturesServerConfig = Field(default_factory=FeaturesServerConfig)
     # How features workers get hidden states: http (prefills on SGLang servers started with
     # --enable-return-hidden-states), transformers (the worker loads features.model and runs it itself) or
     # vllm (prefills on vLLM servers started with `budgetq features --server-flags`; needs features.store).
-    backend: Literal["http", "transformers", "vllm"] = "http"
+    # synthetic: made-up tensors, no model (tests and benchmarks only; needs features.synthetic).
+    backend: Literal["http", "transformers", "vllm", "synthetic"] = "http"
     model: FeaturesModelConfig | None = None
     # A directory that the features workers and `budgetq features` (and, for backend vllm, the vLLM servers)
     # all see at this same path (NFS, Lustre, or one path on one box). Set: the workers write the shards
@@ -84,8 +94,10 @@ class FeaturesConfig(Strict):
     # to the collector, which writes them under output_dir (workers need no shared volume).
     store: str | None = Field(default=None, min_length=1)
     vllm: FeaturesVllmConfig = Field(default_factory=FeaturesVllmConfig)
-    # How hidden states are stored: float16, or bfloat16 (the models' own dtype; no overflow).
-    dtype: Literal["float16", "bfloat16"] = "bfloat16"
+    synthetic: FeaturesSyntheticConfig | None = None
+    # How hidden states are stored: float16, bfloat16 (the models' own dtype; no overflow), or fp8
+    # (float8_e4m3fn, one float32 scale per token and layer: about half the bytes; docs/hidden_states.md).
+    dtype: Literal["float16", "bfloat16", "fp8"] = "bfloat16"
     # A shard (out/<ds>/features/<n>.safetensors) is closed and written once it holds this much.
     shard_mb: float = Field(default=512.0, gt=0)
     # Admissions stop before the features of a run would pass this many bytes on disk (None: only
@@ -112,6 +124,9 @@ class FeaturesConfig(Strict):
         if self.backend == "transformers" and self.model is None:
             raise ValueError("features.backend transformers needs features.model.path (a local model directory "
                              "or a hub id)")
+        if self.backend == "synthetic" and self.synthetic is None:
+            raise ValueError("features.backend synthetic makes up its tensors (tests and benchmarks only): it needs "
+                             "features.synthetic.hidden_size, set on purpose")
         if self.backend == "vllm" and (self.model is None or self.store is None):
             raise ValueError("features.backend vllm needs features.model.path (the served model's local directory: "
                              "its config.json gives the layers, its checkpoint the final norm) and features.store "

@@ -215,3 +215,10 @@ def features_pending_key(ds: str) -> str:
 def features_lock_key(ds: str) -> str:
     """String with a TTL: who runs the dataset's features collector (one at a time writes its shards)."""
     return _ds(ds, "features:lock")
+
+
+def features_bytes_key(ds: str) -> str:
+    """Hash: the dataset's hidden states against its disk budget (docs/hidden_states.md "Disk as a budget"):
+    ``written``/``tokens`` (bytes and tokens indexed on disk, counted once per sample by features_mark.lua),
+    ``share`` (its part of features.max_bytes, "" = none), ``stop`` (the one-line reason capture stopped)."""
+    return _ds(ds, "features:bytes")

@@ -43,7 +43,8 @@ class _Script:
 
 
 SCRIPTS: dict[str, _Script] = {n: _Script(n) for n in (
-    "reserve", "commit", "release", "adjust", "withdraw", "adopt", "claim", "requeue", "finish", "reopen")}
+    "reserve", "commit", "release", "adjust", "withdraw", "adopt", "claim", "requeue", "finish", "reopen",
+    "features_mark")}
 
 
 @dataclass(frozen=True)

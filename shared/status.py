@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from budgetq.shared import keys, run_plan, server_faults, server_kind
+from budgetq.shared import features_bytes, keys, run_plan, server_faults, server_kind
 from budgetq.shared.budget import DatasetState, dataset_state
 from budgetq.shared.config import Config
 from budgetq.shared.ends import dataset_eta, prompts_left, stop_reason
@@ -394,4 +394,5 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
         "control": control_entries(conn, control_n),
         "control_auto": control_entries(conn, AUTO_ENTRIES, auto=True),
         "plan": run_plan.status_part(conn, now),  # deadline and total (docs/budget.md); None without
+        "features": features_bytes.read(conn, [d["dataset"] for d in datasets]),  # hidden states' disk budget
     }

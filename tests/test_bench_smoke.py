@@ -34,6 +34,8 @@ KEY_RATIO = {
     "concurrency_auto": "ratio auto / best fixed",
     "features": "ratio pass / direct",
     "network_rtt": "ratio rtt / loopback",
+    "features_store": "ratio tok/s to stream",
+    "fp8_error": "ratio agreeing",
 }
 
 

@@ -321,7 +321,11 @@ def test_page_keeps_people_apart_formats_values_and_keeps_the_budget_in_view_in_
     log_action(conn, "budget_set", "B2", 282204, 300_000)
     for i in range(20):
         log_action(conn, "budget_deadline", "B2", 9_000 + i, 9_500 + i, actor="producer (deadline pacing)")
+    # hidden states on disk against B2's disk budget (shared/features_bytes.py)
+    conn.hset(keys.features_bytes_key("B2"), mapping={"written": 1_840_000_000, "tokens": 32_000,
+                                                      "share": 4_500_000_000, "stop": ""})
     dom = _render_page(browser, redis_url)
+    assert [r for r in dom.cells["features"] if r] == [["B2", "1.84 GB", "4.50 GB", "40.9%", "32,000", "capturing"]]
     (person,) = [r for r in dom.cells["control"] if r]
     assert person[2:] == ["budget_set", "B2", "282.20k", "300.00k"] and "@" in person[1], person
     auto = [r for r in dom.cells["control-auto"] if r]

@@ -106,7 +106,7 @@ def lua_fields(path: Path) -> Fields:
 # the conf / stats key among its KEYS so the checks below see what it does to them.
 TOUCHES = {"adjust": set(), "adopt": {"stats"}, "claim": set(), "commit": {"conf", "stats"},
            "finish": {"stats"}, "release": {"stats"}, "reopen": {"stats"}, "requeue": {"stats"},
-           "reserve": {"conf", "stats"},
+           "reserve": {"conf", "stats"}, "features_mark": set(),
            "withdraw": {"conf", "stats"}}
 
 

@@ -126,8 +126,9 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
     assert [d["dataset"] for d in snap["datasets"]] == ["A1", "B2"] and len(snap["datasets"][0]["history"]) == 12
     assert set(snap) == {"schema", "generated_at", "redis", "redis_tls", "history_s", "totals", "datasets",
                          "workers", "endpoints", "server_faults", "diagnosis", "stall", "control", "control_auto",
-                         "plan"}
+                         "plan", "features"}
     assert snap["plan"] is None  # neither a deadline nor a total
+    assert snap["features"] == {}  # no dataset has captured hidden states
 
     text = _cli("status", "--redis-url", redis_url)
     assert text.returncode == 0, text.stderr

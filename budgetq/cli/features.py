@@ -115,9 +115,11 @@ def features_table(cfg: Config, conn: Any, snap: dict) -> Any:
     from rich.table import Table
 
     names = capture_datasets(cfg)
+    names += [n for n in snap.get("features") or {} if n not in names]  # a `budgetq features` pass's too
     if not names:
         return None
     from budgetq.shared import keys
+    from budgetq.shared.features_bytes import STOP, format_bytes
 
     pipe = conn.pipeline(transaction=False)
     for name in names:
@@ -130,13 +132,17 @@ def features_table(cfg: Config, conn: Any, snap: dict) -> Any:
     except redis.RedisError:
         return None  # Redis away: the snapshot's own error line says so (status --watch keeps going)
     committed = {d["dataset"]: d["counts"]["committed"] for d in snap["datasets"]}
+    disk = snap.get("features") or {}
     t = Table(title="hidden states (capture: features)", title_justify="left")
-    for col in ("dataset", "on disk / committed", "queued", "running", "in Redis"):
-        t.add_column(col, justify="left" if col == "dataset" else "right", no_wrap=True)
+    for col in ("dataset", "on disk / committed", "queued", "running", "in Redis", "bytes / disk budget", "stop"):
+        t.add_column(col, justify="left" if col in ("dataset", "stop") else "right", no_wrap=True)
     for i, name in enumerate(names):
         done, queued, running, pending = got[4 * i: 4 * i + 4]
+        f = disk.get(name) or {"bytes_written": 0, "max_bytes": None, "stop": None}
         t.add_row(name, f"{done:,} / {committed.get(name, 0):,}", f"{queued:,}", f"{running:,}",
-                  f"{int(pending or 0) / 2**20:.1f} MB")
+                  f"{int(pending or 0) / 2**20:.1f} MB",
+                  f"{format_bytes(f['bytes_written'])} / {format_bytes(f['max_bytes']) if f['max_bytes'] else 'none'}",
+                  STOP if f["stop"] else "capturing")
     return t
 
 

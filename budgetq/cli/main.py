@@ -107,8 +107,12 @@ def _warn_no_rows(cfg: Config, rows: list[dict], warned: set[str]) -> None:
 def cmd_produce(args: argparse.Namespace) -> int:
     import signal
 
+    from budgetq.hidden_states.collect.inline import Capture
+    from budgetq.producer.run.hooks import register_capture
     from budgetq.producer.run.producer import Producer
     from budgetq.producer.run.progress import ProgressReporter
+
+    register_capture(Capture)  # the producer's loop calls it; producer/ never imports hidden_states
 
     cfg = load(args)
     if not cfg.datasets:

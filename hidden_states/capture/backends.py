@@ -30,9 +30,10 @@ import aiohttp
 
 from budgetq.hidden_states.capture.captured import CaptureBackend, Captured, features_server
 from budgetq.hidden_states.capture.decode import HiddenStatesError, decode
+from budgetq.hidden_states.capture.synthetic_backend import SyntheticBackend
 from budgetq.hidden_states.capture.transformers_backend import TransformersBackend
 from budgetq.hidden_states.capture.vllm_backend import VllmBackend
-from budgetq.hidden_states.schema import FeaturesPayload
+from budgetq.hidden_states.schema import FeaturesPayload, wire_dtype
 from budgetq.shared.config import Config
 from budgetq.worker.sglang_client import HiddenStatesClient
 
@@ -93,7 +94,7 @@ class HttpBackend:
         if client is self.client:
             self.json_bytes_per_token = 0.8 * self.json_bytes_per_token + 0.2 * len(raw.body) / n
         blob, shape = await asyncio.get_running_loop().run_in_executor(
-            self.decoders, decode, raw.body, n, payload.dtype)
+            self.decoders, decode, raw.body, n, wire_dtype(payload.dtype))
         hold(kept + len(blob))
         return blob, shape, raw.endpoint
 
@@ -112,4 +113,6 @@ def make_backend(cfg: Config, decode_processes: int | None = None) -> CaptureBac
         return TransformersBackend(cfg)
     if cfg.features.backend == "vllm":
         return VllmBackend(cfg)
+    if cfg.features.backend == "synthetic":  # tests and bench/features_store.py only: no model, made-up tensors
+        return SyntheticBackend(cfg)
     return HttpBackend(cfg, decode_processes)

@@ -39,7 +39,7 @@ from typing import Any
 
 from budgetq.hidden_states.capture.captured import Captured
 from budgetq.hidden_states.capture.decode import HiddenStatesError
-from budgetq.hidden_states.schema import FeaturesPayload
+from budgetq.hidden_states.schema import FeaturesPayload, wire_dtype
 from budgetq.shared.config import Config
 from budgetq.shared.config_features import FeaturesModelConfig
 from budgetq.shared.errors import ConfigError
@@ -248,7 +248,7 @@ class TransformersBackend:
     def __init__(self, cfg: Config) -> None:
         assert cfg.features.model is not None  # the config validator requires it for this backend
         self.m = cfg.features.model
-        self.out_dtype = cfg.features.dtype
+        self.out_dtype = wire_dtype(cfg.features.dtype)  # fp8 is made from bf16 where the shard is written
         self.pending: list[_Pending] = []
         self.passes = 0            # forward passes run
         self.batched = 0           # samples they carried

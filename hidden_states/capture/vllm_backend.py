@@ -36,7 +36,7 @@ import numpy as np
 from budgetq.hidden_states.capture.captured import Captured, features_server
 from budgetq.hidden_states.capture.decode import HiddenStatesError, to_dtype
 from budgetq.hidden_states.capture.vllm_layout import FinalNorm, VllmLayout, as_f32, layout_for, load_final_norm
-from budgetq.hidden_states.schema import FeaturesPayload
+from budgetq.hidden_states.schema import FeaturesPayload, wire_dtype
 from budgetq.hidden_states.store.safetensors_io import ShardError, read_header, read_tensor
 from budgetq.hidden_states.store.shards import INCOMING, features_dir, features_root
 from budgetq.shared.config import Config, ServerConfig
@@ -110,7 +110,7 @@ def read_engine_file(path: str, payload: FeaturesPayload, layout: VllmLayout, no
     x = as_f32(hs.dtype, hs.data, hs.shape)
     if not np.isfinite(x).all():
         raise HiddenStatesError("hidden states hold NaN or inf")
-    dtype = payload.dtype
+    dtype = wire_dtype(payload.dtype)
     target = norm(x[:, layout.position(layout.target_id), :])
     data = to_dtype(target, dtype)
     aux = aux_shape = None

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from budgetq.hidden_states.store import fp8
 from budgetq.hidden_states.store.safetensors_io import read_header, read_tensor
 from budgetq.hidden_states.store.shards import features_dir, index_rows
 from budgetq.shared.errors import BudgetqError
@@ -59,13 +60,24 @@ def offline_samples(out_dir: Path, ds: str) -> Iterator[OfflineSample]:
         if row["shard"] not in headers:
             headers[row["shard"]] = read_header(shard)
         header, start = headers[row["shard"]]
-        t = read_tensor(shard, f"{row['key']}.hidden_state", header, start)
+        hidden = _block(shard, f"{row['key']}.hidden_state", row, header, start)
         aux_name = f"{row['key']}.aux_hidden_state"
-        aux = read_tensor(shard, aux_name, header, start) if aux_name in header else None
+        aux = _block(shard, aux_name, row, header, start) if aux_name in header else None
         yield OfflineSample(
             offline_path(idx), np.asarray(row["input_ids"], np.int64), np.asarray(row["loss_mask"], np.int64),
-            (row["dtype"], [1, *t.shape], t.data),
-            (row["dtype"], [1, *aux.shape], aux.data) if aux is not None else None)
+            hidden, aux)
+
+
+def _block(shard: Path, name: str, row: dict, header: dict, start: int) -> tuple[str, list[int], bytes | memoryview]:
+    """(dtype, [1, L, width], bytes) of a stored block; fp8 (codes and a scale per token and layer) comes back
+    as bf16, what SpecForge's loader reads (store/fp8.py)."""
+    t = read_tensor(shard, name, header, start)
+    if row["dtype"] != "fp8":
+        return row["dtype"], [1, *t.shape], t.data
+    scales = read_tensor(shard, f"{name}_scale", header, start)
+    tokens, width = t.shape
+    layers = scales.shape[1]
+    return "bfloat16", [1, *t.shape], fp8.dequantize_bf16(t.data, scales.data, tokens, layers, width // layers)
 
 
 @dataclass

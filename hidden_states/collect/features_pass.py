@@ -29,6 +29,7 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from budgetq.hidden_states.collect.byte_budget import ByteBudget
 from budgetq.hidden_states.collect.guard import DiskGuard
 from budgetq.hidden_states.collect.inputs import FeaturesInputError, RowTail, conversation_ids
 from budgetq.hidden_states.collect.lock import CollectorLock, new_owner
@@ -78,7 +79,7 @@ class DatasetPass:
     duplicates: int = 0
     cursor: str = "-"
     consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
-    unmarked: list[str] = field(default_factory=list)  # ids written to disk, not yet in the Redis done set
+    unmarked: list[tuple[str, int, int]] = field(default_factory=list)  # on disk, not yet done in Redis: id, B, tokens
     relost: set[str] = field(default_factory=set)  # ids whose job Redis lost, enqueued again (_requeue_lost)
     last_result: float = 0.0   # monotonic time of the last stream read that got something
     failed_checked: float = 0.0  # monotonic time of the last _forget_failed
@@ -103,9 +104,11 @@ class FeaturesPass:
         self.lock = CollectorLock(conn, owner or new_owner())  # owner: see CollectorLock
         chosen = [cfg.dataset(n) for n in names] if names else cfg.datasets
         self.lock.take([ds.name for ds in chosen])
+        self.bytes = ByteBudget(cfg, conn, [ds.name for ds in chosen])  # disk as a budget (byte_budget.py)
         for ds in chosen:
             store = FeatureStore(features_root(cfg), ds.name, cfg.features.shard_bytes)
             self._mark_done(ds.name, sorted(store.ids))
+            self.bytes.sync(ds.name, store.bytes_on_disk, store.tokens_on_disk, opening=True)
             queue = Queue(keys.features_queue_name(ds.name), connection=conn, serializer=JSONSerializer)
             tail = RowTail(cfg.output_dir / f"{ds.name}.jsonl")
             self.passes.append(DatasetPass(ds, store, queue, tail, tail.new_rows()))
@@ -166,12 +169,13 @@ class FeaturesPass:
                 p.store.reconcile()
                 p.store.sweep_incoming()
                 self._mark_done(p.ds.name, sorted(p.store.ids))
+                self.bytes.sync(p.ds.name, p.store.bytes_on_disk, p.store.tokens_on_disk)
         rep = self._report()
         self.release()
         return rep
 
     def _finished(self, p: DatasetPass) -> bool:
-        if self.follow or not (p.rows_done or self.guard.reason):
+        if self.follow or not (p.rows_done or self.guard.reason or p.ds.name in self.bytes.stopped):
             return False
         name = keys.features_name(p.ds.name)
         pipe = self.conn.pipeline(transaction=False)
@@ -224,8 +228,10 @@ class FeaturesPass:
         return None
 
     def _enqueue(self, p: DatasetPass) -> bool:
-        if p.rows_done or self.guard.reason:
+        if p.rows_done or self.guard.reason or p.ds.name in self.bytes.stopped:
             return False
+        self.bytes.resplit({q.ds.name: q.store.bytes_on_disk for q in self.passes},
+                           {q.ds.name for q in self.passes if q.rows_done and not q.outstanding})
         room = min(ENQUEUE_CHUNK,
                    self.cfg.features.high_water - self.conn.llen(keys.rq_queue_key(keys.features_name(p.ds.name))))
         batch: list[FeaturesPayload] = []
@@ -240,7 +246,9 @@ class FeaturesPass:
             buffered = sum(q.store.buffer_bytes for q in self.passes)
             jobs_out = sum(len(q.outstanding) for q in self.passes) + len(batch)
             n = len(payload.input_ids)
-            if not self.guard.admit(n, outstanding_tokens, jobs_out, on_disk, buffered):
+            if not (self.guard.admit(n, outstanding_tokens, jobs_out, on_disk, buffered) and self.bytes.admit(
+                    p.ds.name, n, sum(p.outstanding.values()) + sum(len(b.input_ids) for b in batch),
+                    p.store.bytes_on_disk, p.store.buffer_bytes, self.guard.bytes_per_token)):
                 p.held_back = payload  # sent once the guard knows bytes per token, or never (reason set)
                 if self.guard.reason is not None:
                     log.error("features: admissions stopped: %s", self.guard.reason)
@@ -302,8 +310,8 @@ class FeaturesPass:
                     self._adopt(p, meta)
                     continue
                 # what the sample will weigh in a shard: tensor, token ids (4 B) and mask (1 B), header entries
-                self.guard.learn(meta.shape[0], len(data) + len(fields.get(b"aux", b"")) + 5 * meta.shape[0]
-                                 + SAMPLE_HEADER_BYTES)
+                self.guard.learn_wire(meta.shape[0], len(data) + len(fields.get(b"aux", b"")),
+                                      5 * meta.shape[0] + SAMPLE_HEADER_BYTES)
                 aux = fields.get(b"aux")
                 if p.store.add(meta, data, aux):
                     p.captured += 1
@@ -335,18 +343,17 @@ class FeaturesPass:
     def _flush(self, p: DatasetPass) -> None:
         # Kept in p.unmarked until Redis has them: a Redis error here (the producer's capture goes on
         # through outages) marks them at the next flush.
-        p.unmarked += p.store.flush()
-        if not p.unmarked and not p.consumed:
-            return
-        with self.conn.pipeline() as pipe:
-            if p.unmarked:
-                pipe.sadd(keys.features_done_key(p.ds.name), *p.unmarked)
-            if p.consumed:
+        p.store.flush()
+        p.unmarked += p.store.flushed
+        if p.unmarked:  # done and their bytes counted in one script (once per sample), then the entries go
+            self.bytes.mark(p.ds.name, p.unmarked)
+            p.unmarked.clear()
+        if p.consumed:
+            with self.conn.pipeline() as pipe:
                 pipe.xdel(keys.features_results_key(p.ds.name), *[e for e, _ in p.consumed])
                 pipe.decrby(keys.features_pending_key(p.ds.name), sum(n for _, n in p.consumed))
-            pipe.execute()
-        p.consumed.clear()
-        p.unmarked.clear()
+                pipe.execute()
+            p.consumed.clear()
 
     def _forget_failed(self, p: DatasetPass) -> None:
         p.failed_checked = time.monotonic()
@@ -376,7 +383,7 @@ class FeaturesPass:
 
     # -- report --------------------------------------------------------------------------
     def _report(self) -> Report:
-        rep = Report(stopped_by=self.guard.reason)
+        rep = Report(stopped_by="; ".join(r for r in (self.guard.reason, *self.bytes.stopped.values()) if r) or None)
         for p in self.passes:
             failed = failures(self.conn, p.ds.name, sorted(p.relost - p.store.ids))
             rep.failed[p.ds.name] = failed

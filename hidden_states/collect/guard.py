@@ -1,7 +1,8 @@
 """The features pass's disk guard: admissions stop before the hidden states would fill the disk.
 
 Its free-space rule (``min_free_mb`` kept free on output_dir's volume) is generation's too
-(producer/run/disk_guard.py); this adds the estimate of what is coming, learnt from results.
+(producer/run/disk_guard.py); this adds the estimate of what is coming, learnt from results. features.max_bytes is not a
+limit here: it is split over the datasets as a budget (byte_budget.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from budgetq.shared.config import Config
 
 
 class DiskGuard:
-    """Stops admissions before the features would pass features.max_bytes or fill the volume.
+    """Stops admissions before the features would fill the volume (features.max_bytes is a budget split over
+    the datasets: byte_budget.py).
 
     Bytes per token are learnt from the first results (no admission past features.concurrency
     samples before one has arrived); a sample is admitted only if everything admitted and not yet
@@ -20,11 +22,11 @@ class DiskGuard:
     """
 
     def __init__(self, cfg: Config) -> None:
-        self.max_bytes = cfg.features.max_bytes
         self.min_free = int(cfg.min_free_mb * MB)
         self.first = cfg.features.concurrency
         self.out_dir = features_root(cfg)  # features.store, when set, is the volume that fills
         self.seen_bytes = 0
+        self.wire_ratio = 0.51 if cfg.features.dtype == "fp8" else 1.0
         self.seen_tokens = 0
         self.reason: str | None = None
         self.disk_bytes_per_token: float | None = None
@@ -32,6 +34,11 @@ class DiskGuard:
     def learn(self, tokens: int, nbytes: int) -> None:
         self.seen_tokens += tokens
         self.seen_bytes += nbytes
+
+    def learn_wire(self, tokens: int, tensor_bytes: int, other_bytes: int) -> None:
+        """A result that came through the stream: its tensors are bf16 there, fp8 on disk (half, plus a float32
+        scale per token and layer: ~0.5 for any real hidden size)."""
+        self.learn(tokens, int(tensor_bytes * self.wire_ratio) + other_bytes)
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -49,10 +56,6 @@ class DiskGuard:
         if bpt is None:
             return outstanding_jobs < self.first
         coming = buffered + (outstanding_tokens + tokens) * bpt
-        if self.max_bytes is not None and on_disk + coming > self.max_bytes:
-            self.reason = (f"features.max_bytes {self.max_bytes} would be passed: {on_disk} bytes on disk, "
-                           f"~{coming:.0f} more coming at {bpt:.0f} bytes/token; raise features.max_bytes to go on")
-            return False
         free = free_bytes(self.out_dir)
         if coming > free - self.min_free:
             self.reason = (f"the output volume of {self.out_dir} would fill: {free / MB:.0f} MB free, "

@@ -16,8 +16,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int32": "I32", "int64": "I64", "uint8": "U8"}
-ITEM_SIZE = {"F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1}
+# fp8: float8_e4m3fn codes (store/fp8.py), with a float32 scale tensor beside them
+DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int32": "I32", "int64": "I64", "uint8": "U8",
+          "fp8": "F8_E4M3"}
+ITEM_SIZE = {"F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
 MAX_HEADER = 100 * 2**20  # the safetensors readers' own limit
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from budgetq.hidden_states.schema import FeaturesMeta
+from budgetq.hidden_states.store import fp8
 from budgetq.hidden_states.store.safetensors_io import (
     DTYPES,
     ShardError,
@@ -74,16 +75,27 @@ def sample_tensors(meta: FeaturesMeta, data: bytes | memoryview, aux: bytes | me
     key = encode_id(meta.id)
     n = len(meta.input_ids)
     mask = meta.loss_mask()
-    tensors = [Tensor(f"{key}.hidden_state", DTYPES[meta.dtype], meta.shape, data),
+    tensors = [*_layers(f"{key}.hidden_state", meta.dtype, meta.shape, meta.shape[1] if meta.shape else 1, data),
                Tensor(f"{key}.input_ids", "I32", [n], np.asarray(meta.input_ids, "<i4").tobytes()),
                Tensor(f"{key}.loss_mask", "U8", [n], np.asarray(mask, "u1").tobytes())]
     sample: dict = {"id": meta.id, "key": key, "shape": meta.shape, "dtype": meta.dtype}
     if meta.from_generation:
         sample["source"] = "generation"
     if aux is not None and meta.aux_shape is not None:
-        tensors.append(Tensor(f"{key}.aux_hidden_state", DTYPES[meta.dtype], meta.aux_shape, aux))
+        tensors += _layers(f"{key}.aux_hidden_state", meta.dtype, meta.aux_shape, meta.shape[1], aux)
         sample["aux_shape"] = meta.aux_shape
     return tensors, sample, mask
+
+
+def _layers(name: str, dtype: str, shape: list[int], hidden: int, data: bytes | memoryview) -> list[Tensor]:
+    """A block of layers ``[tokens, layers x hidden]`` as stored: as it came, or (fp8) its bf16 bytes as
+    e4m3fn codes and ``<name>_scale`` float32 ``[tokens, layers]`` (store/fp8.py)."""
+    if dtype != "fp8" or not data:   # no data: an adopted worker shard's index row only
+        return [Tensor(name, DTYPES[dtype], shape, data)]
+    layers = shape[1] // hidden
+    codes, scales = fp8.quantize(data, shape[0], layers, hidden)
+    return [Tensor(name, fp8.SAFETENSORS_DTYPE, shape, codes), Tensor(f"{name}_scale", "F32", [shape[0], layers],
+                                                                        scales)]
 
 
 def write_sample_shard(d: Path, meta: FeaturesMeta, data: bytes | memoryview,
@@ -156,6 +168,7 @@ class FeatureStore:
         self._buffered: set[str] = set()
         self.adopted: list[dict] = []    # index rows of worker shards, appended at the next flush
         self.where: dict[str, str] = {}  # id -> the shard its index row names
+        self.flushed: list[tuple[str, int, int]] = []  # (id, bytes, tokens) of the samples the last flush indexed
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink()
             self.recovered.tmp_removed += 1
@@ -263,7 +276,7 @@ class FeatureStore:
 
     def flush(self) -> list[str]:
         """Write the buffered samples as one shard, then their index rows and those of adopted worker shards
-        (one append); returns their ids."""
+        (one append); returns their ids (``flushed``: their bytes and tokens too)."""
         rows = []
         if self.buffer:
             path = self._next_shard()
@@ -279,7 +292,15 @@ class FeatureStore:
                                                 "samples": json.dumps(samples, separators=(",", ":"))})
             self.bytes_on_disk += size
             self.tokens_on_disk += sum(m.shape[0] for m, _, _ in self.buffer)
+            # the shard's bytes over its samples by their data (the byte budget counts them per sample)
+            weights = [len(d) + (len(a) if a else 0) + 1 for _, d, a in self.buffer]
+            parts = [size * n // sum(weights) for n in weights]
+            parts[-1] += size - sum(parts)
+            self.flushed = [(m.id, b, m.shape[0]) for (m, _, _), b in zip(self.buffer, parts, strict=True)]
+        else:
+            self.flushed = []
         for r in self.adopted:
+            self.flushed.append((r["id"], r["_bytes"], r["shape"][0]))
             self.bytes_on_disk += r.pop("_bytes")
             self.tokens_on_disk += r["shape"][0]
             rows.append(r)

@@ -139,8 +139,25 @@ class SnapshotCollector:
         yield from (e_prompt, e_cached)
         yield from _server_load(self.snap["endpoints"])
         yield from _faults(self.snap["server_faults"])
+        yield from _features_bytes(self.snap.get("features") or {})
         yield GaugeMetricFamily("budgetq_snapshot_timestamp_seconds", "Redis time of this snapshot.",
                                 value=float(self.snap["generated_at"]))
+
+
+def _features_bytes(features: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Hidden states on disk against each dataset's disk budget (shared/features_bytes.py)."""
+    written = GaugeMetricFamily("budgetq_features_bytes_written", "Bytes of hidden states indexed on disk.",
+                                labels=["dataset"])
+    budget = GaugeMetricFamily("budgetq_features_max_bytes", "The dataset's disk budget: its share of "
+                               "features.max_bytes (absent when unbounded).", labels=["dataset"])
+    stopped = GaugeMetricFamily("budgetq_features_stopped", "1 once the dataset's capture stopped at its disk "
+                                "budget.", labels=["dataset"])
+    for name, f in features.items():
+        written.add_metric([name], float(f["bytes_written"]))
+        if f["max_bytes"] is not None:
+            budget.add_metric([name], float(f["max_bytes"]))
+        stopped.add_metric([name], 1.0 if f["stop"] else 0.0)
+    yield from (written, budget, stopped)
 
 
 def _server_load(endpoints: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from budgetq.producer.ops.check import check_dataset
-from budgetq.producer.run.allocation import Claim, deadline_total, water_fill
-from budgetq.shared import keys, run_plan
+from budgetq.producer.run.allocation import Claim, byte_shares, deadline_total, water_fill
+from budgetq.shared import features_bytes, keys, run_plan
 from budgetq.shared.config import Config
 from budgetq.shared.ends import tokens_to_end
 from budgetq.shared.redis_conn import connect_once
@@ -37,6 +37,11 @@ class PlanRow:
     available: int          # prompts not yet done
     needed: int             # prompts the rest of the budget takes at the mean
     finish: float | None    # unix time, at the fleet's rate shared by the datasets still running
+    # hidden states (docs/hidden_states.md "Disk as a budget"): bytes a token takes on disk, what the
+    # token budget takes at that rate, the dataset's disk budget (its share of features.max_bytes)
+    bytes_per_token: int | None = None
+    features_bytes: int | None = None
+    disk_budget: int | None = None
 
     @property
     def runs_out(self) -> bool:
@@ -54,6 +59,8 @@ class Plan:
     rows: list[PlanRow]
     redis_error: str | None = None
     note: str | None = None
+    # bytes/token and the bytes of the whole budget at the hidden sizes of SHOWN_HIDDEN (and the model's)
+    disk_table: list[dict] = field(default_factory=list)
 
 
 def _redis_view(cfg: Config, timeout_s: float) -> tuple[dict[str, Any], str | None]:
@@ -137,12 +144,38 @@ def make_plan(cfg: Config, tok_s: float | None = None, timeout_s: float = 3.0, n
     for r in rows:
         r.budget = shares[r.name]
         r.needed = math.ceil(max(0, r.budget - r.used) / r.mean) if r.mean > 0 else 0
+    table = _disk(cfg, rows)
     if tok_s:
         # Each dataset's end (shared/ends.py): its budget or its prompts, whichever comes first.
         remaining = {r.name: tokens_to_end(r.budget - r.used, r.available, r.mean)[0] for r in rows}
         for name, t in _finish_times(now, remaining, tok_s).items():
             next(r for r in rows if r.name == name).finish = t
-    return Plan(now, settings.deadline, settings.total_budget, tok_s, source, tail, rows, err, note)
+    return Plan(now, settings.deadline, settings.total_budget, tok_s, source, tail, rows, err, note, table)
+
+
+def _disk(cfg: Config, rows: list[PlanRow]) -> list[dict]:
+    """Hidden states on disk: per dataset the bytes a token takes (the model's config.json, the layers the
+    backend stores, features.dtype), what its token budget takes at that rate, its share of
+    features.max_bytes (split by weight over the datasets that capture, or all of them: as `budgetq features`
+    would); and the same for the hidden sizes of SHOWN_HIDDEN, the budgets' sum at each."""
+    bpt = features_bytes.config_bytes_per_token(cfg)
+    capturing = [ds for ds in cfg.datasets if ds.capture == "features"] or cfg.datasets
+    shares = byte_shares(cfg.features.max_bytes, {ds.name: ds.weight for ds in capturing},
+                         {ds.name: ds.features_max_bytes for ds in capturing}, {})
+    for r in rows:
+        r.bytes_per_token = bpt
+        r.features_bytes = None if bpt is None else r.budget * bpt
+        r.disk_budget = shares.get(r.name)
+    layers = features_bytes.stored_layers(cfg)
+    tokens = sum(r.budget for r in rows)
+    shape = features_bytes.model_shape(cfg)
+    hidden = sorted({*features_bytes.SHOWN_HIDDEN, *([shape[0]] if shape else [])})
+    out = []
+    for h in hidden:
+        bf16, fp8 = (features_bytes.bytes_per_token(h, layers, d) for d in ("bfloat16", "fp8"))
+        out.append({"hidden": h, "layers": layers, "model": bool(shape and shape[0] == h), "bf16_per_token": bf16,
+                    "fp8_per_token": fp8, "tokens": tokens, "bf16_bytes": tokens * bf16, "fp8_bytes": tokens * fp8})
+    return out
 
 
 def format_plan(p: Plan) -> str:
@@ -182,4 +215,28 @@ def format_plan(p: Plan) -> str:
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
     if p.note:
         lines.append(p.note)
+    lines += _format_disk(p)
     return "\n".join(lines)
+
+
+def _format_disk(p: Plan) -> list[str]:
+    fb = features_bytes.format_bytes
+    lines = ["", "hidden states on disk (bytes/token: layers stored x hidden x dtype + id and mask; the budget's "
+             "tokens at that rate: features also store each prompt's tokens, so with count: completion it is a floor)"]
+    for r in p.rows:
+        per = (f"{r.bytes_per_token:,} bytes/token" if r.bytes_per_token
+               else "bytes/token unknown (no local config.json)")
+        first = (r.features_bytes is not None and r.disk_budget is not None and r.features_bytes > r.disk_budget)
+        lines.append(f"  {r.name}: {per}, budget {format_tokens(r.budget)} tokens -> {fb(r.features_bytes)}; "
+                     f"disk budget {fb(r.disk_budget) if r.disk_budget is not None else 'none'}"
+                     + (" (the disk budget stops its capture first)" if first else ""))
+    if p.disk_table:
+        t = p.disk_table[0]
+        lines.append(f"  all {format_tokens(t['tokens'])} tokens, {t['layers']} layers stored:")
+        lines.append(f"  {'hidden':>8}  {'bf16 B/token':>12}  {'bf16 total':>10}  {'fp8 B/token':>11}  "
+                     f"{'fp8 total':>10}")
+        for t in p.disk_table:
+            mark = "  (this model)" if t["model"] else ""
+            lines.append(f"  {t['hidden']:>8}  {t['bf16_per_token']:>12,}  {fb(t['bf16_bytes']):>10}  "
+                         f"{t['fp8_per_token']:>11,}  {fb(t['fp8_bytes']):>10}{mark}")
+    return lines

@@ -3,6 +3,8 @@
 - ``water_fill``: split a total by weight, each share held within [floor, cap]: a dataset that
   is capped (its own budget) or ran out of prompts gives what it cannot spend to the others in
   proportion to their weights.
+- ``byte_shares``: the same split for disk: features.max_bytes over the datasets that capture hidden
+  states, each held within [bytes written, its own features_max_bytes].
 - ``deadline_total``: how many tokens the budgets can count by a deadline, from the fleet's
   measured rate and how long the last responses take (``tail_s``).
 - ``RateMeter`` and ``Latencies``: the smoothed tok/s and the response-time quantile they need.
@@ -90,6 +92,18 @@ def water_fill(total: int, claims: list[Claim]) -> dict[str, int]:
         if not gave:
             break
     return shares
+
+
+def byte_shares(total: int | None, weights: dict[str, float], caps: dict[str, int | None],
+                written: dict[str, int]) -> dict[str, int | None]:
+    """Each dataset's disk budget for hidden states: ``total`` (features.max_bytes) water-filled by weight as
+    the token budgets are, a share never below what is written nor above the dataset's own cap
+    (datasets[].features_max_bytes; a dataset done capturing is capped at what it wrote, so the rest goes
+    to the others). Without a total, each dataset's own cap (None: unbounded)."""
+    if total is None:
+        return {n: caps.get(n) for n in weights}
+    shares = water_fill(total, [Claim(n, w, floor=written.get(n, 0), cap=caps.get(n)) for n, w in weights.items()])
+    return {n: shares[n] for n in weights}
 
 
 def deadline_total(counted: int, in_flight: int, rate_tok_s: float, now: float, deadline: float,

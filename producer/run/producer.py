@@ -25,13 +25,13 @@ from rq import Queue
 from rq.queue import EnqueueData
 from rq.serializers import JSONSerializer
 
-from budgetq.hidden_states.collect.inline import Capture
 from budgetq.producer.reading.reader import Invalid, Prompt, read_prompts
 from budgetq.producer.reading.row_count import count_rows
 from budgetq.producer.run.budget_loop import BudgetLoop
 from budgetq.producer.run.collector import Collector
 from budgetq.producer.run.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
 from budgetq.producer.run.feed import Feed, recorded_invalid
+from budgetq.producer.run.hooks import make_capture
 from budgetq.producer.run.id_rule import record_id_field, settle_id_field
 from budgetq.producer.run.meta import check_and_write_meta
 from budgetq.producer.run.migrate import uses_legacy_ids
@@ -112,7 +112,8 @@ class Producer:
         for f in self.feeds:
             self._count_rows(f.ds)
         self.clock = RunClock(self.conn, [d.name for d in cfg.datasets])  # the end-of-run block's start
-        self.capture = Capture(cfg)  # capture: features (hidden_states/collect/inline.py); last: it takes locks
+        # capture: features: the hook hidden_states registers (producer/run/hooks.py); last: it takes locks
+        self.capture = make_capture(cfg)
 
     def _count_rows(self, ds: DatasetConfig) -> None:
         """The file's rows, for the ledger's ``unread`` and the ETA's prompts left (shared/ends.py)."""
