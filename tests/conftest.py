@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fcntl
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import redis
 
 from budgetq.shared.logs import forget_secrets
 from budgetq.simulator.local import LocalRedis, LocalSim
-from tests.vllm_server import run_dir, shared_server, stop_shared
+from tests.vllm_server import START_TIMEOUT_S, prestart, run_dir, shared_server, stop_shared
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +85,32 @@ def _vllm_shared_use(request):
         yield
 
 
+_PRESTART = pytest.StashKey[threading.Thread]()
+
+
+def _vllm_servers_needed(config: pytest.Config) -> tuple[bool, bool]:
+    """(plain, hidden states): which of the run's vLLM servers the selected tests use, where that is plain from
+    the command line (the whole suite, or tests/test_vllm_* files; not with a -k or -m filter)."""
+    if config.option.keyword or config.option.markexpr or (ROOT / ".venv-vllm.skip").exists():
+        return False, False
+    paths = [Path(a.split("::")[0]).resolve() for a in config.args] or [Path.cwd()]
+    whole = any(p in (ROOT, ROOT / "tests") for p in paths)
+    features = whole or any(p.name == "test_vllm_features.py" for p in paths)
+    plain = whole or any(p.name.startswith("test_vllm_") and p.name != "test_vllm_features.py" for p in paths)
+    return plain, features and not os.environ.get("BUDGETQ_TEST_VLLM_HS_URL")
+
+
+def pytest_sessionstart(session):
+    """The controller (or pytest alone) starts the run's vLLM servers at once, beside the first tests."""
+    if not hasattr(session.config, "workerinput") and any(needed := _vllm_servers_needed(session.config)):
+        session.config.stash[_PRESTART] = prestart(run_dir(session.config), *needed)
+
+
 def pytest_sessionfinish(session):
-    """The process that outlives the others (xdist's controller, or pytest alone) stops the server."""
+    """The process that outlives the others (xdist's controller, or pytest alone) stops the servers, once a
+    start still under way has finished (it would otherwise leave its server running)."""
     if not hasattr(session.config, "workerinput"):
+        thread = session.config.stash.get(_PRESTART, None)
+        if thread is not None:
+            thread.join(2 * START_TIMEOUT_S)
         stop_shared(run_dir(session.config))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import urllib.request
@@ -31,7 +30,7 @@ torch = pytest.importorskip("torch")
 
 from budgetq.hidden_states.capture.decode import from_dtype  # noqa: E402
 from budgetq.hidden_states.capture.vllm_backend import VllmBackend, read_engine_file, wait_written  # noqa: E402
-from budgetq.hidden_states.capture.vllm_layout import layout_for, server_flags  # noqa: E402
+from budgetq.hidden_states.capture.vllm_layout import layout_for  # noqa: E402
 from budgetq.hidden_states.schema import FeaturesPayload  # noqa: E402
 from budgetq.hidden_states.store.shards import features_dir, index_rows  # noqa: E402
 from budgetq.shared import keys  # noqa: E402
@@ -40,7 +39,7 @@ from tests.helpers import PY, ROOT, Procs, wait_for  # noqa: E402
 from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline  # noqa: E402
 from tests.test_features import run_features, write_rows  # noqa: E402
 from tests.test_features_store import exactly_once  # noqa: E402
-from tests.vllm_server import MODEL_NAME, run_dir, shared_server, smollm2_hf_dir  # noqa: E402
+from tests.vllm_server import MODEL_NAME, hidden_states_server, run_dir, smollm2_hf_dir  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)
 HIDDEN, LAYERS = 576, 30
@@ -64,14 +63,7 @@ def hs_server(request):
     model = smollm2_hf_dir()
     if os.environ.get("BUDGETQ_TEST_VLLM_HS_URL"):
         return os.environ["BUDGETQ_TEST_VLLM_HS_URL"], model
-    shared = run_dir(request.config)
-    store, mod = shared / "vllm-default-store", shared / "vllm-connector"
-    store.mkdir(exist_ok=True)
-    mod.mkdir(exist_ok=True)
-    shutil.copy(ROOT / "tests" / "vllm_cpu_connector.py", mod / "vllm_cpu_connector.py")
-    flags = server_flags(model, None, str(store), "CpuHiddenStatesConnector", "vllm_cpu_connector")
-    server = shared_server(shared, "hidden-states", ("--max-model-len", "2048", *flags), env={"PYTHONPATH": str(mod)})
-    return server.url, model
+    return hidden_states_server(run_dir(request.config)).url, model
 
 
 @pytest.fixture(scope="module")

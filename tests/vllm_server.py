@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -186,6 +187,39 @@ def shared_server(run_dir: Path, name: str = "smollm2", flags: tuple[str, ...] =
     if "error" in data:
         raise AssertionError(f"the run's vLLM server {name} did not start: {data['error']}")
     return AttachedServer(data["url"], data["log"])
+
+
+def hidden_states_server(run_dir: Path) -> AttachedServer:
+    """The run's vLLM server for hidden states: exactly the flags of ``budgetq features --server-flags`` but its
+    KV connector, tests/vllm_cpu_connector.py (the stock one needs CUDA), copied where the server imports it."""
+    from budgetq.hidden_states.capture.vllm_layout import server_flags
+
+    model = smollm2_hf_dir()
+    store, mod = run_dir / "vllm-default-store", run_dir / "vllm-connector"
+    store.mkdir(exist_ok=True)
+    mod.mkdir(exist_ok=True)
+    shutil.copy(Path(__file__).parent / "vllm_cpu_connector.py", mod / "vllm_cpu_connector.py")
+    flags = server_flags(model, None, str(store), "CpuHiddenStatesConnector", "vllm_cpu_connector")
+    return shared_server(run_dir, "hidden-states", ("--max-model-len", "2048", *flags), env={"PYTHONPATH": str(mod)})
+
+
+def prestart(run_dir: Path, plain: bool = True, hidden_states: bool = True) -> threading.Thread:
+    """Start the run's two servers in a thread of the calling process, one after the other, while the tests
+    run: a test that needs one then waits on its lock only for what is left of its start, and no xdist process
+    sits idle through a whole start (2-4 minutes each on a busy 2-core machine). A start that fails or skips
+    is recorded by ``shared_server`` for the tests to report."""
+    def start() -> None:
+        for server, wanted in ((shared_server, plain), (hidden_states_server, hidden_states)):
+            if not wanted:
+                continue
+            try:
+                server(run_dir)
+            except BaseException:  # noqa: BLE001 - recorded in run_dir; the tests that need it say so
+                pass
+
+    thread = threading.Thread(target=start, name="vllm-prestart", daemon=True)
+    thread.start()
+    return thread
 
 
 def stop_shared(run_dir: Path) -> None:
