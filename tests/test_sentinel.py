@@ -7,11 +7,13 @@ cost next to nothing, so the realistic three fit on a 2-core machine.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,16 @@ class Replicated:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _committed_seen_by_monitor(port: int) -> int:
+    """Dataset D's committed count in the monitor's /api/status (-1 while it does not answer 200)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5) as resp:
+            snap = json.loads(resp.read())
+    except (OSError, ValueError):
+        return -1
+    return next((int(d["counts"]["committed"]) for d in snap.get("datasets", []) if d.get("dataset") == "D"), -1)
+
+
 def _pings(port: int) -> bool:
     try:
         return bool(redis.Redis(port=port, socket_timeout=1).ping())
@@ -143,8 +155,11 @@ def test_master_killed_for_good_mid_run_the_run_completes_on_the_promoted_replic
     procs = Procs(cfg, tmp_path)
     workers = [procs.worker(), procs.worker()]
     producer = procs.producer()
+    port = free_port()
+    monitor = procs.start("monitor", "--port", str(port))
     try:
         wait_for(lambda: int(master.hget(keys.stats_key("D"), "committed") or 0) >= 40, 60, "the run to get going")
+        wait_for(lambda: _committed_seen_by_monitor(port) >= 40, 60, "the monitor to serve the run")
         replicated.kill_master()
         killed_at = time.monotonic()
         wait_for(lambda: replicated.master_addr() == replicated.replica_port, 60, "the replica promoted")
@@ -152,6 +167,9 @@ def test_master_killed_for_good_mid_run_the_run_completes_on_the_promoted_replic
         assert producer.wait(180) == 0, procs.log(producer)
         assert all(w.poll() is None for w in workers), "a worker died with the master"
         status = cli_out(cfg, "status")  # status follows the sentinels too
+        # and so does the monitor, which was serving before the failover: it reads the promoted replica
+        wait_for(lambda: _committed_seen_by_monitor(port) == 240, 60, "the monitor to show the whole run")
+        assert monitor.poll() is None, procs.log(monitor)
     finally:
         procs.stop_all()
     assert "D" in status
