@@ -199,10 +199,10 @@ def test_unexpected_errors_cost_only_their_row(tmp_path, redis_url, conn, monkey
             raise RuntimeError("surprise")
         return real_map(ds, row)
 
-    def flaky_payload(ds, p):
+    def flaky_payload(ds, p, engine_dir=None):
         if p.id == "p2":
             raise TypeError("cannot build")
-        return real_payload(ds, p)
+        return real_payload(ds, p, engine_dir)
 
     monkeypatch.setattr(reader, "row_to_messages", flaky_map)
     monkeypatch.setattr(run, "_payload", flaky_payload)

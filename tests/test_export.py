@@ -27,8 +27,10 @@ def result(i: int, reasoning: str | None = None) -> dict:
 
 def as_parquet(row: dict) -> dict:
     """``row`` as Parquet gives it back: every turn has reasoning_content (null where absent), and a
-    single-request row has a null ``turns`` (the per-request counts of regenerate: all)."""
-    return {"turns": None, **row, "conversations": [{"reasoning_content": None, **t} for t in row["conversations"]]}
+    single-request row has a null ``turns`` (the per-request counts of regenerate: all), and a row without
+    features.vllm.single_pass a null ``hidden_states_file``."""
+    turns = [{"reasoning_content": None, **t} for t in row["conversations"]]
+    return {"turns": None, "hidden_states_file": None, **row, "conversations": turns}
 
 
 def write_results(path: Path, rows: list[dict], bad: dict[int, str] | None = None) -> None:

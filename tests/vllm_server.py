@@ -243,6 +243,11 @@ def _stop_group(pgid: int) -> None:
             return
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
+            try:  # reap the group's members that are our children (prestart): a zombie still counts as there
+                while os.waitpid(-pgid, os.WNOHANG)[0]:
+                    pass
+            except ChildProcessError:
+                pass
             try:
                 os.killpg(pgid, 0)
             except ProcessLookupError:

@@ -52,6 +52,8 @@ SCHEMA = pa.schema([
     # regenerate: all, several requests: each one's counts (null on a single-request row)
     pa.field("turns", pa.list_(pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
                                           ("finish_reason", pa.string())]))),
+    # features.vllm.single_pass: the engine's file of the row's hidden states (null otherwise)
+    pa.field("hidden_states_file", pa.string()),
 ])
 
 
