@@ -59,6 +59,17 @@ def sim_factory():
 
 
 @pytest.fixture(scope="session")
+def specforge_offline():
+    """SpecForge's own offline-data loader (tests/specforge_helper.py), or a skip saying why it cannot run."""
+    from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline
+
+    try:
+        return load_specforge_offline()
+    except SpecForgeUnavailable as exc:
+        pytest.skip(f"SpecForge's own offline loader not run: {exc}")
+
+
+@pytest.fixture(scope="session")
 def vllm(request):
     """One real vLLM server (its CPU build, SmolLM2-135M) for the whole test run, shared by every
     pytest-xdist process (tests/vllm_server.py ``shared_server``); stopped when the run ends."""

@@ -32,7 +32,6 @@ from budgetq.shared.config_features import FeaturesModelConfig  # noqa: E402
 from budgetq.shared.config_load import load_config  # noqa: E402
 from budgetq.shared.errors import ConfigError  # noqa: E402
 from tests.helpers import PY, ROOT, Procs, stock_rq_worker, wait_for  # noqa: E402
-from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline  # noqa: E402
 from tests.test_features import run_features, write_rows  # noqa: E402
 from tests.tiny_llama import make_tiny_llama  # noqa: E402
 from tests.tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
@@ -225,14 +224,6 @@ def test_transformers_backend_end_to_end_with_specforge_export(tmp_path, redis_u
     n = point["input_ids"].shape[0]
     assert point["hidden_state"].shape == (1, n, HIDDEN) and point["aux_hidden_state"].shape == (1, n, 3 * HIDDEN)
     assert point["aux_hidden_state"].dtype == torch.bfloat16 and point["input_ids"].dtype == torch.int64
-
-
-@pytest.fixture(scope="module")
-def specforge_offline():
-    try:
-        return load_specforge_offline()
-    except SpecForgeUnavailable as exc:
-        pytest.skip(f"SpecForge's own offline loader not run: {exc}")
 
 
 def test_the_export_loads_through_specforges_own_offline_training_path(tmp_path, redis_url, conn, tiny,

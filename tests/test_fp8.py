@@ -110,16 +110,6 @@ def test_an_fp8_shard_holds_codes_and_scales_and_reads_back(tmp_path):
     assert np.array_equal(back, via_torch)
 
 
-@pytest.fixture(scope="module")
-def specforge_offline():
-    from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline
-
-    try:
-        return load_specforge_offline()
-    except SpecForgeUnavailable as exc:
-        pytest.skip(f"SpecForge's own offline loader not run: {exc}")
-
-
 def test_fp8_round_trip_through_the_export_into_specforges_loader(tmp_path, specforge_offline):
     """fp8 shards (as features workers write them, adopted by the collector) -> export specforge-offline ->
     SpecForge's OfflineManifestReader, LocalFeatureStore, FeatureDataLoader: bf16 [L, H] and [L, 3H], each

@@ -188,7 +188,7 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
         "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
                      "server": {"urls": [url]}},
         "datasets": [{"name": "A", "path": str(tmp_path / "none.jsonl"), "budget": "1k"}]}))
-    ids = write_rows(tmp_path / "out", "A", 10)
+    ids = write_rows(tmp_path / "out", "A", 6)
     index = features_dir(store, "A") / "index.jsonl"
     procs = Procs(cfg, tmp_path)
     runner = subprocess.Popen([*PY, "features", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ),
@@ -202,7 +202,7 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
         procs.start("features-worker")
         out, err = runner.communicate(timeout=900)
         assert runner.returncode == 0, out + err
-        assert "A: 10 samples on disk" in out, out
+        assert "A: 6 samples on disk" in out, out
     finally:
         if runner.poll() is None:
             runner.kill()
@@ -232,7 +232,7 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
     except SpecForgeUnavailable as exc:
         pytest.skip(f"captured and exported; SpecForge's own loader not run: {exc}")
     older = sf.OfflineEagle3Dataset(sf.list_local_files(str(target)))
-    assert len(older) == 10
+    assert len(older) == 6
     seen = []
     for i, path in enumerate(older.datapaths):
         item = older[i]
@@ -242,52 +242,63 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
         seen.append(row["id"])
     assert sorted(seen) == sorted(ids)
     refs = sf.OfflineManifestReader(str(target), run_id="budgetq", validate_files=True).read()
-    assert len(refs) == 10 and all(r.num_tokens > 0 for r in refs)
+    assert len(refs) == 6 and all(r.num_tokens > 0 for r in refs)
 
 
-def test_produce_with_capture_features_on_vllm(hs_server, reference, tmp_path, redis_url, conn, sim_factory):
-    """capture: features in `budgetq produce`, the features jobs on vLLM (features.server.urls), generation on the
-    simulator (a server started for hidden states writes a file for every request it serves: generation goes
-    elsewhere). Every row generated once, captured once, in exactly one shard, close to transformers' pass."""
+def _produce_with_capture(tmp_path, redis_url, conn, gen_url: str, hs_url: str, model: Path, n: int,
+                          features: dict, sampling: dict) -> tuple[Path, Path]:
+    """`budgetq produce` of ``n`` prompts with capture: features (generation on ``gen_url``, features jobs on vLLM
+    at ``hs_url``): every row once, each sample in one shard. Returns (config, the dataset's features dir)."""
     from tests.helpers import check_invariants, write_dataset
 
-    url, model = hs_server
-    _, fp32, _ = reference
-    sim = sim_factory("--speedup", "50", "--length-mean", "12")
-    ids = write_dataset(tmp_path / "A.jsonl", 6)
+    ids = write_dataset(tmp_path / "A.jsonl", n)
     store = tmp_path / "store"
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({
         "redis_url": redis_url, "output_dir": str(tmp_path / "out"),
-        "server": {"urls": [sim], "model": MODEL_NAME, "tokenizer": str(model)},
-        "worker": {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "concurrency": 4},
+        "server": {"urls": [gen_url], "model": MODEL_NAME, "tokenizer": str(model)},
+        "worker": {"heartbeat_ttl_s": 5, "maintenance_interval_s": 0.5, "concurrency": 4},
         "producer": {"progress": "off"},
         "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
-                     "server": {"urls": [url]}},
+                     "server": {"urls": [hs_url]}, **features},
         "datasets": [{"name": "A", "path": str(tmp_path / "A.jsonl"), "budget": "1M", "capture": "features",
-                      "id_field": "id", "sampling": {"max_tokens": 16}, "prior_mean_tokens": 12}]}))
+                      "id_field": "id", "sampling": sampling, "prior_mean_tokens": 12}]}))
     procs = Procs(cfg, tmp_path)
     try:
         procs.worker()
         res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
                              text=True, timeout=900)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert "hidden states A: 6 samples on disk (6 captured this run, 0 failed" in res.stdout, res.stdout
+        assert f"hidden states A: {n} samples on disk ({n} captured this run, 0 failed" in res.stdout, res.stdout
     finally:
         procs.stop_all()
     check_invariants(conn, tmp_path / "out", "A", ids)
     exactly_once(store, ids)
-    d = features_dir(store, "A")
+    return cfg, features_dir(store, "A")
+
+
+def _close_to_transformers(d: Path, row: dict, fp32) -> None:
+    """The stored sample of index row ``row``, per block, within the cosine bounds of transformers' fp32 pass."""
     from budgetq.hidden_states.store.safetensors_io import read_tensor
 
+    t = read_tensor(d / row["shard"], f"{row['key']}.hidden_state")
+    a = read_tensor(d / row["shard"], f"{row['key']}.aux_hidden_state")
+    mine, want = blocks(t.data, a.data, len(row["input_ids"])), want_blocks(fp32(row["input_ids"]))
+    for name in want:
+        c = cosines(mine[name], want[name])
+        assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
+
+
+def test_produce_with_capture_features_on_vllm(hs_server, reference, tmp_path, redis_url, conn, sim_factory):
+    """capture: features in `budgetq produce`, the features jobs on vLLM (features.server.urls), generation on the
+    simulator (a server started for hidden states writes a file for every request it serves: generation goes
+    elsewhere). Every row generated once, captured once, in exactly one shard, close to transformers' pass."""
+    url, model = hs_server
+    _, fp32, _ = reference
+    sim = sim_factory("--speedup", "50", "--length-mean", "12")
+    cfg, d = _produce_with_capture(tmp_path, redis_url, conn, sim, url, model, 6, {}, {"max_tokens": 16})
     for row in index_rows(d / "index.jsonl"):
-        n = len(row["input_ids"])
-        t = read_tensor(d / row["shard"], f"{row['key']}.hidden_state")
-        a = read_tensor(d / row["shard"], f"{row['key']}.aux_hidden_state")
-        mine, want = blocks(t.data, a.data, n), want_blocks(fp32(row["input_ids"]))
-        for name in want:
-            c = cosines(mine[name], want[name])
-            assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
+        _close_to_transformers(d, row, fp32)
     res = run_features(cfg, "--check")
     assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
 
@@ -299,40 +310,16 @@ def test_single_pass_one_request_gives_the_row_and_its_hidden_states(hs_server, 
     each stored sample is prompt + answer but the last sampled token (prompt_tokens + completion_tokens - 1
     tokens, a prefix of the chat template's rendering of the row), close to transformers' own pass over exactly
     those tokens; every row once, every sample in one shard, nothing left in the engine's folder."""
-    from budgetq.hidden_states.store.safetensors_io import read_header, read_tensor
+    from budgetq.hidden_states.store.safetensors_io import read_header
     from budgetq.shared.schema import ResultRow
-    from tests.helpers import check_invariants, write_dataset
 
     url, model = hs_server
     tok, fp32, _ = reference
-    ids = write_dataset(tmp_path / "A.jsonl", 5)
-    store = tmp_path / "store"
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "redis_url": redis_url, "output_dir": str(tmp_path / "out"),
-        "server": {"urls": [url], "model": MODEL_NAME, "tokenizer": str(model)},
-        "worker": {"heartbeat_ttl_s": 5, "maintenance_interval_s": 0.5, "concurrency": 4},
-        "producer": {"progress": "off"},
-        "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
-                     "server": {"urls": [url]}, "vllm": {"single_pass": True}},
-        "datasets": [{"name": "A", "path": str(tmp_path / "A.jsonl"), "budget": "1M", "capture": "features",
-                      "id_field": "id", "sampling": {"max_tokens": 12, "temperature": 0.0},
-                      "prior_mean_tokens": 12}]}))
-    procs = Procs(cfg, tmp_path)
-    try:
-        procs.worker()
-        res = subprocess.run([*PY, "produce", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ), capture_output=True,
-                             text=True, timeout=900)
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert "hidden states A: 5 samples on disk (5 captured this run, 0 failed" in res.stdout, res.stdout
-    finally:
-        procs.stop_all()
-    check_invariants(conn, tmp_path / "out", "A", ids)
-    exactly_once(store, ids)
+    cfg, d = _produce_with_capture(tmp_path, redis_url, conn, url, url, model, 5, {"vllm": {"single_pass": True}},
+                                   {"max_tokens": 12, "temperature": 0.0})
     rows = {r.id: r for r in (ResultRow.model_validate_json(line)
                               for line in (tmp_path / "out" / "A.jsonl").read_text().splitlines())}
     assert all(r.hidden_states_file for r in rows.values()), rows
-    d = features_dir(store, "A")
     for row in index_rows(d / "index.jsonl"):
         r, n = rows[row["id"]], len(row["input_ids"])
         header, _ = read_header(d / row["shard"])
@@ -342,12 +329,7 @@ def test_single_pass_one_request_gives_the_row_and_its_hidden_states(hs_server, 
         msgs = [m.model_dump(exclude_none=True) for m in r.conversations]
         full = [int(i) for i in tok.apply_chat_template(msgs, tokenize=True)["input_ids"]]
         assert row["input_ids"] == full[:n] and 1 in row["loss_mask"], row["id"]
-        t = read_tensor(d / row["shard"], f"{row['key']}.hidden_state")
-        a = read_tensor(d / row["shard"], f"{row['key']}.aux_hidden_state")
-        mine, want = blocks(t.data, a.data, n), want_blocks(fp32(row["input_ids"]))
-        for name in want:
-            c = cosines(mine[name], want[name])
-            assert c.mean() >= MEAN_MIN and c.min() >= TOKEN_MIN, (row["id"], name, c.mean(), c.min())
+        _close_to_transformers(d, row, fp32)
     assert not [f for f in (d / "engine").glob("*") if f.is_file()], list((d / "engine").iterdir())
     res = run_features(cfg, "--check")
     assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
