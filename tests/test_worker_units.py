@@ -311,3 +311,30 @@ def test_slots_resize_grows_at_once_and_shrinks_as_held_slots_come_back():
         assert slots.held == 2
 
     asyncio.run(scenario())
+
+
+def test_a_job_held_long_is_reported_once_with_where_it_waits(caplog):
+    import logging
+
+    from budgetq.shared.jobs import Claimed
+    from budgetq.worker.tracked import LONG_HELD_S, Phase, Tracked, report_long_held
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def stuck() -> None:
+            await never.wait()
+
+        t = Tracked(Claimed("D-p1", "x", b""), "D", phase=Phase.SENDING)
+        t.task = asyncio.create_task(stuck())
+        await asyncio.sleep(0)
+        log = logging.getLogger("budgetq.worker")
+        report_long_held({"m": t}, log, now=t.started_at + 1)             # not long yet: nothing
+        report_long_held({"m": t}, log, now=t.started_at + LONG_HELD_S + 5)
+        report_long_held({"m": t}, log, now=t.started_at + LONG_HELD_S + 9)  # once only
+        t.task.cancel()
+
+    with caplog.at_level("INFO", logger="budgetq.worker"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "waiting in" in r.getMessage()]
+    assert len(lines) == 1 and "job D-p1: sending for 125 s" in lines[0] and "stuck" in lines[0], lines

@@ -4,9 +4,8 @@ what happens to a job is decided in worker/jobflow.py.
 Jobs are claimed in batches (claim.lua: queue -> started registry, atomically), each job
 runs as a task (worker/jobflow.py), and every script call of all tasks (reserve, commit,
 release, finish in RQ's layout) is coalesced into pipelines (shared.scripts.Batcher).
-The few blocking calls (RQ worker registration, lease heartbeats, maintenance) run in a
-small thread pool. Background loops: control (budgets, pauses, aborts, reservation
-refresh), this worker's status, lease heartbeats, maintenance, and stats counters.
+The few blocking calls (RQ worker registration, lease heartbeats, maintenance) run in a small thread
+pool. Background loops: control (budgets, pauses, aborts, reservations), status, leases, maintenance, stats.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from budgetq.worker.estimator import LengthModel
 from budgetq.worker.jobflow import run_job
 from budgetq.worker.recorder import Recorder
 from budgetq.worker.sglang_client import SGLangClient
-from budgetq.worker.tracked import Abort, JobTable, Phase, Tracked
+from budgetq.worker.tracked import Abort, JobTable, Phase, Tracked, report_long_held
 
 log = logging.getLogger("budgetq.worker")
 CLAIM_BATCH = 64
@@ -237,7 +236,8 @@ class ConcurrentWorker:
         await self.sync(self.maintenance.run_once)
 
     async def _publish(self) -> None:
-        """This worker's line in `budgetq status`: in flight, processed, endpoints' health."""
+        """This worker's line in `budgetq status`: in flight, processed, endpoints' health; jobs held long."""
+        report_long_held(self.jobs, log)
         fields: dict[Any, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
                   "concurrency": self.concurrency, "in_flight": self.slots.held, "claimed": len(self.jobs),
                   "processed": self.processed, "endpoints": json.dumps(self.client.pool.snapshot()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ class Tracked:
     reserved: int = 0
     prompt_tokens: int = 0
     abort_reason: Abort | None = None
+    reported: bool = False     # said once that it has been held long (``report_long_held``)
 
     @property
     def job_id(self) -> str:
@@ -61,3 +63,20 @@ class Tracked:
 # Registry member ("<job id>:<execution id>") -> job being handled; the runner adds, the job
 # flow removes, control reads (to abort and to refine reservations).
 JobTable = dict[str, Tracked]
+
+
+LONG_HELD_S = 120.0
+
+
+def report_long_held(jobs: JobTable, log: logging.Logger, now: float | None = None) -> None:
+    """One INFO line per job held longer than LONG_HELD_S: its phase and the line its task waits at (a long
+    generation is normal; a job that never ends is not, and this names where it waits)."""
+    now = time.time() if now is None else now
+    for t in jobs.values():
+        if t.reported or now - t.started_at < LONG_HELD_S or t.task is None:
+            continue
+        t.reported = True
+        frames = t.task.get_stack()
+        at = f"{frames[-1].f_code.co_qualname} ({frames[-1].f_code.co_filename}:{frames[-1].f_lineno})" if frames \
+            else "?"
+        log.info("job %s: %s for %.0f s, waiting in %s", t.job_id, t.phase.value, now - t.started_at, at)
