@@ -26,6 +26,7 @@ from rq.serializers import JSONSerializer
 
 from budgetq.shared import keys
 from budgetq.shared.identity import job_id
+from budgetq.simulator.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "budgetq.cli"]
@@ -279,3 +280,19 @@ def stock_rq_worker(redis_url: str, queue: str, config: Path, log: Path, *extra:
     text = log.read_text()
     assert "Traceback" not in text and "done, quitting" in text, text[-4000:]
     return text
+
+
+async def serve_routes(routes: list, body) -> None:
+    """An aiohttp app with ``routes`` on a free loopback port while ``await body(base_url)`` runs (a fake server)."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        await body(f"http://127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()

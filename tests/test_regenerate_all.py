@@ -28,12 +28,21 @@ from budgetq.shared.identity import job_id
 from budgetq.shared.redis_conn import aconnect
 from budgetq.shared.schema import JobPayload, Message, SamplingParams
 from budgetq.shared.scripts import run
-from budgetq.simulator.local import free_port
 from budgetq.worker import turns
 from budgetq.worker.process import build_row, run_one
 from budgetq.worker.sglang_client import SGLangClient
 from budgetq.worker.sglang_wire import attempt_rid, job_id_of_rid
-from tests.helpers import Procs, check_invariants, holders, rows, run_to_completion, sim_get, wait_for, write_config
+from tests.helpers import (
+    Procs,
+    check_invariants,
+    holders,
+    rows,
+    run_to_completion,
+    serve_routes,
+    sim_get,
+    wait_for,
+    write_config,
+)
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
@@ -111,24 +120,18 @@ async def _ok(_request: web.Request) -> web.Response:
 
 
 async def _serve(handler, body, api: str = "chat", tokenizer: str | None = None) -> None:
-    app = web.Application()
-    app.add_routes([web.post("/v1/chat/completions", handler), web.post("/generate", handler),
-                    web.get("/health", _ok), web.get("/server_info", _sglang_info)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    cfg = ServerConfig(urls=[f"http://127.0.0.1:{port}"], api=api, tokenizer=tokenizer, max_attempts=2,
-                       backoff_base_s=0.01, backoff_max_s=0.02)
-    try:
+    async def with_client(url: str) -> None:
+        cfg = ServerConfig(urls=[url], api=api, tokenizer=tokenizer, max_attempts=2, backoff_base_s=0.01,
+                           backoff_max_s=0.02)
         async with aiohttp.ClientSession() as session:
             client = SGLangClient(session, cfg)
             try:
                 await body(client)
             finally:
                 await client.close()
-    finally:
-        await runner.cleanup()
+
+    await serve_routes([web.post("/v1/chat/completions", handler), web.post("/generate", handler),
+                        web.get("/health", _ok), web.get("/server_info", _sglang_info)], with_client)
 
 
 def _payload(n_turns: int, **extra) -> JobPayload:

@@ -21,7 +21,7 @@ from budgetq.shared.schema import JobPayload, Message, SamplingParams
 from budgetq.simulator.local import free_port
 from budgetq.worker.sglang_client import SGLangClient
 from budgetq.worker.sglang_wire import build_request, invalid_request
-from tests.helpers import PY, ROOT, Procs, rows, wait_for, write_config, write_dataset
+from tests.helpers import PY, ROOT, Procs, rows, serve_routes, wait_for, write_config, write_dataset
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 # What llama-cpp-python 0.3.36's server answers to ``top_k: -1`` (seen from the real server: its
@@ -121,19 +121,6 @@ def test_faults_travel_through_redis_from_live_workers_only(conn):
 
 
 # -- what the client does with an answer ---------------------------------------------------------
-async def _serve(routes: list[web.RouteDef], body) -> None:
-    app = web.Application()
-    app.add_routes(routes)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        await body(f"http://127.0.0.1:{port}")
-    finally:
-        await runner.cleanup()
-
-
 def test_a_validation_error_sent_as_500_fails_the_prompt_at_once_with_the_servers_message():
     bodies: list[dict] = []
 
@@ -151,7 +138,7 @@ def test_a_validation_error_sent_as_500_fails_the_prompt_at_once_with_the_server
             assert ep.healthy and ep.faults.counts == {"invalid request (HTTP 500)": 1}
             await client.close()
 
-    asyncio.run(_serve([web.post("/v1/chat/completions", chat)], run))
+    asyncio.run(serve_routes([web.post("/v1/chat/completions", chat)], run))
     assert len(bodies) == 1  # not retried
 
 
@@ -185,7 +172,7 @@ def test_an_html_500_is_retried_counted_and_the_endpoint_checked_through_v1_mode
             assert ep.faults.last_ok_at is not None and ep.faults.last_ok_at >= ep.faults.last_fault_at
             await client.close()
 
-    asyncio.run(_serve([web.post("/v1/chat/completions", chat), web.get("/v1/models", models)], run))
+    asyncio.run(serve_routes([web.post("/v1/chat/completions", chat), web.get("/v1/models", models)], run))
     assert state["models"] >= 2
 
 
@@ -289,5 +276,5 @@ def test_concurrent_first_requests_ask_server_info_once():
             assert [o.text for o in outs] == ["ok"] * 8 and client.pool.endpoints[0].sglang is False
             await client.close()
 
-    asyncio.run(_serve([web.post("/v1/chat/completions", chat), web.get("/server_info", server_info)], run))
+    asyncio.run(serve_routes([web.post("/v1/chat/completions", chat), web.get("/server_info", server_info)], run))
     assert len(asked) == 1

@@ -20,11 +20,11 @@ from budgetq.shared.errors import ConfigError, FatalRequestError
 from budgetq.shared.redis_conn import aconnect
 from budgetq.shared.schema import JobPayload, Message, SamplingParams
 from budgetq.shared.status import endpoint_summary
-from budgetq.simulator.local import free_port
 from budgetq.worker.capacity import Capacity
 from budgetq.worker.context import Slots
 from budgetq.worker.endpoints import sglang_from_server_info
 from budgetq.worker.sglang_client import ServerInfo, SGLangClient
+from tests.helpers import serve_routes
 from tests.test_capacity import VLLM_METRICS
 
 PAYLOAD = JobPayload(id="c1", dataset="C", messages=[Message(role="user", content="hi")],
@@ -87,16 +87,7 @@ class FakeVllm:
 
 
 async def _serving(server: FakeVllm, body) -> None:
-    app = web.Application()
-    app.add_routes(server.routes())
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        await body(f"http://127.0.0.1:{port}")
-    finally:
-        await runner.cleanup()
+    await serve_routes(server.routes(), body)
 
 
 def test_a_vllm_gets_its_one_model_our_rid_as_x_request_id_and_its_metrics_are_read(redis_url):
