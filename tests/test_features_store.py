@@ -91,7 +91,7 @@ def test_the_store_adopts_worker_shards_once_and_removes_second_copies(tmp_path)
     assert again.recovered.reindexed == 1 and again.recovered.duplicates_removed == 1
     assert sorted(r["id"] for r in index_rows(d / "index.jsonl")) == ["p0", "p1"]
     assert len(list(d.glob("*.safetensors"))) == 2 and ((d / a).exists() != (d / b).exists())
-    assert again.sweep_incoming() == 1 and not list((d / INCOMING).glob("*"))
+    assert again.sweep_leftovers() == 1 and not list((d / INCOMING).glob("*"))
 
 
 def test_store_mode_end_to_end_without_tensor_bytes_in_redis(tmp_path, redis_url, conn, sim_factory):

@@ -117,7 +117,7 @@ def test_the_end_of_a_pass_removes_engine_files_no_row_kept(tmp_path):
     engine.mkdir()
     _engine_file(engine / "A-p1.0123456789ab.safetensors", [1, 2])
     (engine / "A-p1.0123456789ab.safetensors.lock").write_text("")
-    assert store.sweep_incoming() == 2 and not list(engine.iterdir())
+    assert store.sweep_leftovers() == 2 and not list(engine.iterdir())
 
 
 def test_a_row_naming_a_file_outside_the_engine_folder_is_prefilled_and_the_file_left_alone(tmp_path):

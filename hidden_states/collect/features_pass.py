@@ -167,7 +167,7 @@ class FeaturesPass:
             self._flush(p)
             if finished:  # no features job queued or running: what a killed worker left can be settled now
                 p.store.reconcile()
-                p.store.sweep_incoming()
+                p.store.sweep_leftovers()
                 self._mark_done(p.ds.name, sorted(p.store.ids))
                 self.bytes.sync(p.ds.name, p.store.bytes_on_disk, p.store.tokens_on_disk)
         rep = self._report()

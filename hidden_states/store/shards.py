@@ -14,7 +14,8 @@ message; ``adopt`` indexes the shard, or deletes it when its id is indexed in an
 twice). Opening the store (and ``reconcile`` at the end of a pass) indexes a shard no message announced (a
 worker killed between its rename and its message) and deletes one whose samples are all indexed elsewhere,
 so each sample is in exactly one shard and no shard is read twice. ``incoming/`` also holds what the vLLM
-engines write for the vllm backend; ``sweep_incoming`` empties it once no features job runs.
+engines write for the vllm backend; ``sweep_leftovers`` empties it, and ``engine/`` (single_pass), once no features
+job runs.
 
 Index row: id, shard, key, shape [tokens, hidden], dtype, input_ids, loss_mask (1 on the
 generated answer's tokens), and aux_shape [tokens, 3 x hidden] when an aux server answered too.
@@ -215,7 +216,7 @@ class FeatureStore:
             log.warning("features %s: indexed %d samples a shard held but the index missed (a crash between "
                         "the two writes)", self.ds, len(missing))
 
-    def sweep_incoming(self) -> int:
+    def sweep_leftovers(self) -> int:
         """Remove what ``incoming/`` holds: call only when no features job is queued or running (then a file
         there is a write that never finished, or an engine's file a killed worker never read). ``engine/``
         (features.vllm.single_pass) too: a file there is a generation attempt whose row was never kept (aborted,
