@@ -153,6 +153,10 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = 
         else:
             conf[Conf.LIMIT] = ds.budget
         conf[Conf.CFG_LIMIT] = ds.budget
+    if ds.budget is not None:
+        conf[Conf.OWN_BUDGET] = kept if kept is not None else ds.budget
+    else:
+        pipe.hdel(keys.conf_key(ds.name), Conf.OWN_BUDGET)
     pipe.hset(keys.conf_key(ds.name), mapping=conf)
     pipe.hsetnx(keys.conf_key(ds.name), Conf.PAUSED, "0")
     pipe.hdel(keys.conf_key(ds.name), Conf.SOURCE_ENDED, Conf.INTERRUPTED)  # this producer reads the rows again
@@ -180,6 +184,7 @@ class DatasetState:
     operator_paused: bool = False  # `budgetq pause` alone (paused without the hold), for status
     source_ended: bool = False  # the producer has read every row
     interrupted: bool = False   # the producer was stopped on request before the dataset ended
+    own_budget: int | None = None  # the config's budget of this dataset (a deadline or total moves ``limit``)
 
     @property
     def exhausted(self) -> bool:
@@ -187,6 +192,15 @@ class DatasetState:
         if self.mode == "strict":
             return self.used + self.max_tokens > self.limit
         return self.used >= self.limit
+
+    @property
+    def own_budget_reached(self) -> bool:
+        """Its own budget (the config's), not a limit a deadline or total set, stops admissions."""
+        if self.own_budget is None:
+            return False
+        if self.mode == "strict":
+            return self.used + self.max_tokens > self.own_budget
+        return self.used >= self.own_budget
 
 
 def queue_state_commands(pipe: redis.client.Pipeline | aredis.client.Pipeline, name: str) -> None:
@@ -213,6 +227,7 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
         operator_paused=conf.get(Conf.PAUSED) == "1",
         source_ended=conf.get(Conf.SOURCE_ENDED) == "1",
         interrupted=conf.get(Conf.INTERRUPTED) == "1",
+        own_budget=int(conf[Conf.OWN_BUDGET]) if conf.get(Conf.OWN_BUDGET) else None,
     )
 
 

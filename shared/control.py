@@ -95,7 +95,8 @@ def set_budget(conn: redis.Redis, dataset: str, tokens: int, abort_in_flight: bo
     """Set a dataset's budget; aborted requests and skipped jobs the new budget admits are requeued."""
     _require(conn, dataset)
     old = int(conn.hget(keys.conf_key(dataset), Conf.LIMIT) or 0)
-    conn.hset(keys.conf_key(dataset), Conf.LIMIT, tokens)
+    # (its own budget too: reached, it is what ended the dataset, even once a deadline passes)
+    conn.hset(keys.conf_key(dataset), mapping={Conf.LIMIT: tokens, Conf.OWN_BUDGET: tokens})
     log_action(conn, "budget_set", dataset, old, tokens)
     aborted = _withdraw(conn, dataset) if abort_in_flight else 0
     return Change(old, aborted, reopen_skipped(conn, dataset))

@@ -38,22 +38,26 @@ class Stop(enum.StrEnum):
 ENDS = frozenset({Stop.BUDGET, Stop.DEADLINE, Stop.OUT_OF_PROMPTS})
 
 
-def stop_reason(st: DatasetState, ledger: dict[str, Any], deadline_stopped: bool = False) -> Stop:
+def stop_reason(st: DatasetState, ledger: dict[str, Any], deadline_stopped: bool = False,
+                producer_gone: bool = False) -> Stop:
     """The one reason for ``st`` (its Redis state) with ``ledger`` (shared/ledger.py).
 
     ``deadline_stopped``: the run has a deadline and its admissions stopped for it
     (shared/run_plan.py ``deadline_stopped``). The ends, in this order: the prompts (every row
-    read, none left to send: not queued, not skipped for the budget), the deadline, the budget.
+    read, none left to send: not queued, not skipped for the budget), the deadline, the budget;
+    a dataset that reached its own budget (the config's, not a limit the deadline's pacing set)
+    ended by its budget even once the deadline has passed.
     An end with nothing queued or running is the reason whatever else holds; before that a hold
     or a pause comes first (they say what to do), then the end it drains toward, then a
-    producer stopped before any end (``interrupted``).
+    producer stopped before any end (``interrupted``): on request, or gone without a word
+    (``producer_gone``: its key expired, shared/presence.py).
     """
     end: Stop | None = None
     if st.source_ended and ledger["queued"] == 0 and ledger["skipped"] == 0:
         end = Stop.OUT_OF_PROMPTS
-    elif deadline_stopped:
+    elif deadline_stopped and not st.own_budget_reached:
         end = Stop.DEADLINE
-    elif st.exhausted:
+    elif st.exhausted or deadline_stopped:  # (its own budget came before the deadline)
         end = Stop.BUDGET
     if end is not None and is_settled(ledger):
         return end
@@ -63,7 +67,7 @@ def stop_reason(st: DatasetState, ledger: dict[str, Any], deadline_stopped: bool
         return Stop.PAUSED
     if end is not None:
         return end
-    return Stop.INTERRUPTED if st.interrupted else Stop.RUNNING
+    return Stop.INTERRUPTED if st.interrupted or producer_gone else Stop.RUNNING
 
 
 def is_complete(stop: Stop | str, ledger: dict[str, Any]) -> bool:

@@ -30,6 +30,9 @@ CONTROL_AUTO_LOG = f"{PREFIX}:control:auto"
 # budget loop measured and projects from them (JSON string): docs/budget.md "Deadline and total".
 PLAN = f"{PREFIX}:plan"
 PLAN_STATE = f"{PREFIX}:plan:state"
+# The running producer (JSON host, pid, started_at) with a TTL it refreshes: gone, its unfinished
+# datasets are "interrupted" in status (shared/presence.py).
+PRODUCER = f"{PREFIX}:producer"
 # Lock held by whichever process runs the maintenance pass (requeue abandoned jobs).
 MAINTENANCE_LOCK = f"{PREFIX}:maintenance:lock"
 # Width of the buckets of rate_key, in seconds, and how long commit.lua keeps them.

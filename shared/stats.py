@@ -18,6 +18,8 @@ class Conf(enum.StrEnum):
     LIMIT = "limit"                  # the token budget; reserve.lua / commit.lua compare used to it
     CFG_LIMIT = "cfg_limit"          # the config's budget last applied: a restart with the same config
                                      # keeps a budget set live (shared/budget.py register_dataset)
+    OWN_BUDGET = "own_budget"        # its own budget (the config's, or one set live), whatever a deadline
+                                     # or total makes the limit: reached, it ended the dataset (shared/ends.py)
     MODE = "mode"                    # soft | strict | drain (reserve.lua's admission policy)
     COUNT = "count"                  # completion | total: what a result adds to used
     KEEP = "keep"                    # all | complete: complete sets results cut by max_tokens aside

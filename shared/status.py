@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from budgetq.shared import features_bytes, keys, run_plan, server_faults, server_kind
+from budgetq.shared import features_bytes, keys, presence, run_plan, server_faults, server_kind
 from budgetq.shared.budget import DatasetState, dataset_state
 from budgetq.shared.config import Config
 from budgetq.shared.ends import dataset_eta, prompts_left, stop_reason
@@ -51,10 +51,8 @@ TOKEN_FIELDS = {"sum_tokens": "counted", "generated_tokens": "generated", "waste
 
 def _num(v: Any, kind: type = int, default: Any = 0) -> Any:
     """A number from a Redis field written by another process; a missing or bad one -> default."""
-    if v is None:
-        return default
     try:
-        x = float(text(v))
+        x = float(text(v)) if v is not None else math.nan
     except ValueError:
         return default
     if math.isnan(x) or math.isinf(x):
@@ -198,6 +196,7 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
     ledgers = read_ledgers(conn, names)
     deadline = run_plan.read_settings(conn).deadline
     deadline_stopped = run_plan.deadline_stopped(conn, now)
+    producer_gone = presence.read(conn) is None
     stalled = fleet_stall(fleet if fleet is not None else read_fleet(conn), ledgers.values()) is not None
     n_hist = max(history_s, TOK_S_WINDOW_S + keys.RATE_BUCKET_S) // keys.RATE_BUCKET_S
     last = _bucket(now)
@@ -252,7 +251,7 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
             "tok_s": None if tok_s is None else round(tok_s, 2),
             "eta_s": None if eta is None else round(eta, 1),
             "eta_by": eta_by,
-            "stop": str(stop_reason(st, ledger, deadline_stopped)),
+            "stop": str(stop_reason(st, ledger, deadline_stopped, producer_gone)),
             "prompts_left": prompts_left(ledger),
             "registered_at": st.registered_at,
             "history": history,
@@ -391,6 +390,8 @@ def snapshot(conn: redis.Redis, redis_url: str, server_urls: Iterable[str] = (),
         "server_faults": [v.to_json() for v in faults],
         "diagnosis": server_faults.diagnosis(faults),
         "stall": fleet_stall(fleet, (d["ledger"] for d in datasets)),
+        "producer": (producer := presence.read(conn)),  # host, pid, started_at; null: none runs
+        "producer_absent": presence.absent_line(producer, datasets),  # the one line status and the monitor show
         "control": control_entries(conn, control_n),
         "control_auto": control_entries(conn, AUTO_ENTRIES, auto=True),
         "plan": run_plan.status_part(conn, now),  # deadline and total (docs/budget.md); None without

@@ -168,8 +168,13 @@ def test_what_runs_at_the_deadline_is_aborted_and_a_later_run_sends_it_again(tmp
                       "--peak-tok-s", "100000", "--seed", "11")
     weights = {"A": 1.0}
     datasets = _datasets(tmp_path, weights, {"A": 40})
-    _run(tmp_path, redis_url, sim, datasets, {"deadline": "1.5s"}, concurrency=8)
+    procs = _run(tmp_path, redis_url, sim, datasets, {"deadline": "1.5s"}, concurrency=8)
     first = _deadline(conn)
+    # a deadline is an end (exit 0, docs/cli.md), named as what ended the run, with the prompts it left
+    assert "run complete: every dataset reached its end (deadline)" in Procs.log(procs.procs[-1])
+    (a,) = json.loads(subprocess.run([*PY, "status", "--json", "-c", str(procs.cfg)], capture_output=True,
+                                     check=True, timeout=60).stdout)["datasets"]
+    assert a["stop"] == "deadline" and a["ledger"]["skipped"] > 0, a  # prompts left, never answered
     cut = {r["rid"].rsplit(".", 1)[0] for r in sim_get(sim, "/sim/requests")
            if r["finish"] == "abort" and r["finished"] >= first}
     assert cut, "nothing was running at the deadline"

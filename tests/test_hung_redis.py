@@ -96,18 +96,22 @@ def test_produce_against_a_silent_redis_fails_fast_with_redis_wait_s_zero(tmp_pa
     print(f"produce against a silent Redis, redis_wait_s 0: exit 2 after {took:.1f} s")
 
 
-def test_worker_waiting_for_a_silent_redis_stops_on_sigterm(tmp_path, black_hole):
+@pytest.mark.parametrize("role", ["worker", "producer"])
+def test_waiting_for_a_silent_redis_stops_on_sigterm(tmp_path, black_hole, role):
     _config(tmp_path, f"redis://127.0.0.1:{black_hole.port}/0", worker={"grace_s": 1})
     procs = Procs(tmp_path / "cfg.yaml", tmp_path)
-    w = procs.worker()
+    p = procs.start("worker" if role == "worker" else "produce")
     try:
-        wait_for(lambda: "waiting for Redis" in procs.log(w), 60, "the worker to wait for Redis")
-        w.send_signal(signal.SIGTERM)
-        took = _exit_time(w, 60)
+        wait_for(lambda: "waiting for Redis" in procs.log(p), 60, f"the {role} to wait for Redis")
+        p.send_signal(signal.SIGTERM)
+        took = _exit_time(p, 60)
     finally:
         procs.stop_all()
-    print(f"worker waiting on a silent Redis: SIGTERM to exit {took:.1f} s")
-    assert w.returncode == 0, procs.log(w)
+    print(f"{role} waiting on a silent Redis: SIGTERM to exit {took:.1f} s")
+    # a worker's stop is its normal end; a produce stopped before its run started exits 3, as any
+    # run stopped before its end (docs/cli.md): `produce && export` must not go on
+    assert p.returncode == (0 if role == "worker" else 3), procs.log(p)
+    assert "stopped before" in procs.log(p) and "Traceback" not in procs.log(p)
     assert took < 30  # the ping in flight is abandoned at once, not after its 10 s timeout
 
 
@@ -197,6 +201,8 @@ def test_producer_stops_in_bounded_time_when_redis_hangs_mid_run(tmp_path):
         server.stop()
     print(f"producer, Redis SIGSTOPped, SIGTERM: exit {p.returncode} after {took:.1f} s (PRODUCER_STOP_S 15 s)")
     assert "Traceback" not in output, output
+    # stopped while Redis could not be reached: a failure, named in one line (docs/cli.md: exit 2)
+    assert p.returncode == 2 and "Redis" in output.strip().splitlines()[-1], output
     assert took < 15 + 15
 
 

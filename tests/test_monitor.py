@@ -300,8 +300,11 @@ def test_page_shows_the_hold_the_diagnosis_and_the_faults_in_headless_chromium(r
     _seed_trouble(conn)
     dom = _render_page(browser, redis_url)
     assert dom.states == {"B2": "idle", "H": "held"}
-    assert dom.alerts == [HTML_500, f"held by the producer: H: output_dir: {DISK_FULL}; workers take no new prompts "
-                                    "until it has room (a stopped producer's hold ends at the next budgetq produce)"]
+    # (seeded with no producer: B2, unfinished, stopped before its end, as after a killed producer)
+    assert dom.alerts == [HTML_500, "no producer is running: B2 stopped before the end; `budgetq produce` continues "
+                                    "the run",
+                          f"held by the producer: H: output_dir: {DISK_FULL}; workers take no new prompts "
+                          "until it has room (a stopped producer's hold ends at the next budgetq produce)"]
     assert dom.faults["http://sg:30000"] == "HTTP 500 text/html x4"
 
 

@@ -47,6 +47,7 @@ def test_an_interrupted_produce_exits_3_and_produce_again_completes_every_prompt
     try:
         first, err = _produce_json(cfg, tmp_path, "produce-1")
         wait_for(lambda: int(conn.hget(keys.stats_key("A"), "committed") or 0) >= 10, 60, "10 rows committed")
+        assert _status(cfg, "A")["stop"] == "running"
         first.send_signal(signal.SIGINT)
         out, _ = first.communicate(timeout=60)
         err.close()  # type: ignore[attr-defined]
@@ -58,6 +59,7 @@ def test_an_interrupted_produce_exits_3_and_produce_again_completes_every_prompt
                                                                                           False), report
         assert a["unread"] > 0 and a["source_rows"] == 120 and sum(a[p] for p in PLACES) == 120, a
         assert "stopped on request with the run unfinished (A)" in log
+        assert not conn.exists(keys.PRODUCER), "a producer that ended takes its presence key with it"
         d = _status(cfg, "A")  # the worker goes on with what was queued; the dataset stays interrupted
         assert d["stop"] == "interrupted" and d["ledger"]["unread"] > 0, d
 
@@ -81,6 +83,34 @@ def test_an_interrupted_produce_exits_3_and_produce_again_completes_every_prompt
     assert report["elapsed_s"] > 0 and report["tokens"] > 0 and report["tok_s"] > 0, report
     assert a["prior_mean_tokens"] == 70 and 40 <= a["mean_response_tokens"] <= 80, a
     assert _status(cfg, "A")["stop"] == "out of prompts"
+
+
+def test_a_producer_killed_without_a_word_shows_as_interrupted_once_its_key_expires(tmp_path, redis_url, conn,
+                                                                                     sim_factory):
+    sim = sim_factory("--speedup", "50", "--length-mean", "40", "--seed", "3")
+    ids = write_dataset(tmp_path / "A.jsonl", 30)
+    cfg = write_config(tmp_path, redis_url, [sim], [{"name": "A", "path": str(tmp_path / "A.jsonl"),
+                                                     "budget": "10M", "id_field": "id"}], worker=FAST)
+    procs = Procs(cfg, tmp_path)
+    try:
+        first = procs.producer()   # no worker yet: its prompts wait in the queue
+        wait_for(lambda: conn.exists(keys.PRODUCER), 60, "the producer's presence key")
+        assert json.loads(conn.get(keys.PRODUCER))["pid"] == first.pid and 0 < conn.ttl(keys.PRODUCER) <= 15
+        assert _status(cfg, "A")["stop"] == "running"
+        first.kill()   # SIGKILL: no summary, no interrupted mark; its key runs out (fast-forwarded here)
+        first.wait(30)
+        assert 0 < conn.ttl(keys.PRODUCER) <= 15
+        conn.pexpire(keys.PRODUCER, 1)
+        wait_for(lambda: not conn.exists(keys.PRODUCER), 10, "the key to expire")
+        assert _status(cfg, "A")["stop"] == "interrupted"
+        out = subprocess.run([*PY, "status", "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert "no producer is running" in out.stdout and "budgetq produce" in out.stdout, out.stdout
+        procs.worker()
+        second = procs.producer()
+        assert second.wait(120) == 0, Procs.log(second)
+    finally:
+        procs.stop_all()
+    assert sorted(r["id"] for r in rows(tmp_path / "out" / "A.jsonl")) == sorted(ids)
 
 
 def test_a_run_ended_by_its_budget_puts_every_row_of_the_file_in_summary_status_and_metrics(tmp_path, redis_url,

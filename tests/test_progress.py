@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -51,6 +52,8 @@ def test_log_lines_when_not_a_terminal_throttled_to_the_interval(redis_url, conn
     a1 = lines[0]
     assert a1.getMessage().startswith("progress A1 25.00% (250 / 1.00k tokens")
     assert (a1.used, a1.budget, a1.committed, a1.in_flight) == (250, 1000, 1, 0)
+    # the ETA names the end it comes to (shared/ends.py): here the budget, the file's size unknown
+    assert a1.eta_by == "budget" and a1.getMessage().endswith(" (budget))"), a1.getMessage()
     as_json = json.loads(JsonFormatter().format(a1))  # one JSON object, the numbers as fields
     assert as_json["dataset"] == "A1" and as_json["used"] == 250 and as_json["logger"] == "budgetq.progress"
 
@@ -66,6 +69,7 @@ def test_bars_on_a_terminal(redis_url, conn, caplog):
         rep.close()
     out = tty.getvalue()
     assert "A1" in out and "B2" in out and "25.00%" in out and "250" in out
+    assert re.search(r"ETA +\S+ budget", out), out  # the end the ETA comes to
     assert not [r for r in caplog.records if r.name == "budgetq.progress"]  # bars, not log lines
 
 

@@ -16,7 +16,7 @@ from rq.serializers import JSONSerializer
 from budgetq.producer.ops import metrics
 from budgetq.producer.reading import row_count
 from budgetq.producer.run.run_report import Reservoir
-from budgetq.shared import keys, run_plan
+from budgetq.shared import keys, presence, run_plan
 from budgetq.shared.budget import DatasetState, register_dataset
 from budgetq.shared.config import DatasetConfig
 from budgetq.shared.ends import Stop, eta, is_complete, stop_reason, tokens_to_end
@@ -43,6 +43,9 @@ def _ledger(queued: int = 0, running: int = 0, skipped: int = 0, unread: int | N
     ({"used": 1000, "source_ended": True}, _ledger(skipped=3), False, Stop.BUDGET),  # prompts skipped: budget
     ({"used": 950, "mode": "strict"}, _ledger(unread=4), False, Stop.BUDGET),       # strict: one more could cross
     ({"used": 400}, _ledger(unread=9), True, Stop.DEADLINE),
+    ({"used": 400, "own_budget": 1000}, _ledger(unread=9), True, Stop.DEADLINE),
+    # a deadline run sets the limit; a dataset that reached its own budget first was ended by it
+    ({"used": 1000, "limit": 5000, "own_budget": 1000}, _ledger(unread=9), True, Stop.BUDGET),
     ({"used": 1000, "interrupted": True}, _ledger(unread=9), False, Stop.BUDGET),  # ended before the stop
     # on the way: a hold or a pause says what to do, then the end it drains toward
     ({"hold": "disk full", "operator_paused": True}, _ledger(queued=3), False, Stop.HELD),
@@ -89,6 +92,7 @@ def _running(conn, name: str, queued: int, source_rows: int, budget: str = "10M"
     conn.hset(keys.conf_key(name), mapping={"registered_at": now - 1000, "source_rows": source_rows,
                                             "source_estimated": 0, "source_limit": ""})
     conn.hset(keys.rate_key(name), str(now // keys.RATE_BUCKET_S * keys.RATE_BUCKET_S - 10), 600)
+    conn.set(keys.PRODUCER, json.dumps({"host": "h", "pid": 1, "started_at": 0}), ex=30)  # a producer runs
     conn.sadd(keys.WORKERS, "w1")  # a live worker: no stall
     conn.hset(keys.worker_key("w1"), mapping={"concurrency": 8, "endpoints": "{}"})
     conn.expire(keys.worker_key("w1"), 30)
@@ -116,6 +120,22 @@ def test_status_eta_comes_to_the_prompts_when_they_run_out_before_the_budget(con
     run_plan.set_deadline(conn, now - 1)
     (a,) = snapshot(conn, redis_url)["datasets"]
     assert a["stop"] == "deadline" and a["eta_s"] == 0.0, a
+
+
+def test_after_a_deadline_a_dataset_that_reached_its_own_budget_says_budget_and_the_others_deadline(
+        conn, redis_url):
+    _running(conn, "A", queued=0, source_rows=40)
+    _running(conn, "B", queued=0, source_rows=40, budget="1k")
+    for n in ("A", "B"):  # the deadline's pacing set both limits to what was used
+        conn.hset(keys.conf_key(n), "limit", 400 if n == "A" else 1000)
+        conn.set(keys.used_key(n), 400 if n == "A" else 1000)
+    run_plan.set_deadline(conn, float(conn.time()[0]) - 1)
+    stops = {d["dataset"]: d["stop"] for d in snapshot(conn, redis_url)["datasets"]}
+    assert stops == {"A": "deadline", "B": "budget reached"}, stops
+    # a budget set live is the dataset's own too
+    subprocess.run([*CLI, "budget", "set", "A", "400", "--redis-url", redis_url], cwd=ROOT, check=True,
+                   capture_output=True, timeout=60)
+    assert snapshot(conn, redis_url)["datasets"][0]["stop"] == "budget reached"
 
 
 def test_metrics_and_the_monitor_page_carry_the_stop_reason_and_the_unread_rows(conn, redis_url):
@@ -181,3 +201,21 @@ def test_the_latency_sample_is_uniform_bounded_and_gives_nearest_rank_quantiles(
     q = small.quantiles()
     assert q is not None and 45 <= q["p50"] <= 55 and 93 <= q["p95"] <= 97   # a uniform sample of 0..100 s
     assert Reservoir().quantiles() is None
+
+
+def test_presence_names_another_live_producer_not_one_killed_on_this_host(conn):
+    me = presence.Presence(conn)
+    assert me.others() is None
+    me.beat()
+    assert me.others() is None and presence.read(conn) == me.me and 0 < conn.ttl(keys.PRODUCER) <= presence.TTL_S
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    conn.set(keys.PRODUCER, json.dumps({**me.me, "pid": dead.pid, "started_at": 1.0}))
+    assert me.others() is None   # killed moments ago on this host, restarted: no warning
+    other = {"host": "gpu-node-7", "pid": 4242, "started_at": 1.0}
+    conn.set(keys.PRODUCER, json.dumps(other))
+    assert me.others() == other
+    me.leave()
+    assert presence.read(conn) == other, "leave removes its own key only"
+    conn.set(keys.PRODUCER, "{not json")
+    assert presence.read(conn) is None

@@ -126,8 +126,10 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
     assert [d["dataset"] for d in snap["datasets"]] == ["A1", "B2"] and len(snap["datasets"][0]["history"]) == 12
     assert set(snap) == {"schema", "generated_at", "redis", "redis_tls", "history_s", "totals", "datasets",
                          "workers", "endpoints", "server_faults", "diagnosis", "stall", "control", "control_auto",
-                         "plan", "features"}
+                         "plan", "features", "producer", "producer_absent"}
     assert snap["plan"] is None  # neither a deadline nor a total
+    # seeded without a producer: A1, unfinished, reads as stopped before its end (B2 reached its budget)
+    assert snap["producer"] is None and snap["producer_absent"].startswith("no producer is running: A1 stopped")
     assert snap["features"] == {}  # no dataset has captured hidden states
 
     text = _cli("status", "--redis-url", redis_url)

@@ -219,6 +219,8 @@ def render(snap: dict[str, Any]) -> RenderableType:
     stall = snap.get("stall")
     if stall and stall != snap.get("diagnosis"):  # no worker for the queued prompts (shared/server_faults.py)
         parts.insert(1, Text(stall, style="bold red"))
+    if snap.get("producer_absent"):  # stopped, or killed without a word (shared/presence.py)
+        parts.insert(1, Text(snap["producer_absent"], style="bold red"))
     if snap.get("diagnosis"):  # why the servers fail, in one line (shared/server_faults.py)
         parts.insert(1, Text(snap["diagnosis"], style="bold red"))
     if snap.get("plan"):  # a deadline or a total: countdown and projected finish (budgetq/cli/plan.py)

@@ -37,7 +37,7 @@ from budgetq.producer.run.meta import check_and_write_meta
 from budgetq.producer.run.migrate import uses_legacy_ids
 from budgetq.producer.run.reconcile import adopt_missing, rows_on_disk
 from budgetq.producer.run.run_report import RunClock, end_of_run, summary_rows
-from budgetq.shared import jobs, keys
+from budgetq.shared import jobs, keys, presence
 from budgetq.shared.budget import dataset_state, register_dataset
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.errors import BudgetqError
@@ -114,6 +114,11 @@ class Producer:
         self.clock = RunClock(self.conn, [d.name for d in cfg.datasets])  # the end-of-run block's start
         # capture: features: the hook hidden_states registers (producer/run/hooks.py); last: it takes locks
         self.capture = make_capture(cfg)
+        self.presence = presence.Presence(self.conn)  # its key, from the first tick: status tells a killed producer
+        if other := self.presence.others():
+            log.warning("another producer (host %s, pid %s) ran this deployment %d s ago or less: if it still "
+                        "runs, two producers of one run race each other; stop one", other.get("host"),
+                        other.get("pid"), presence.TTL_S)
 
     def _count_rows(self, ds: DatasetConfig) -> None:
         """The file's rows, for the ledger's ``unread`` and the ETA's prompts left (shared/ends.py)."""
@@ -283,6 +288,7 @@ class Producer:
         return wrote
 
     def tick(self) -> int:
+        self.presence.beat()
         self.budgets.tick(self.feeds)  # hook: before the fills, which act on the limits it writes
         if self.guard.admitting():  # hook: the disk guard; no enqueueing while the output volume is full
             try:
@@ -341,7 +347,9 @@ class Producer:
                 time.sleep(poll)
         self.capture.close()  # hook: the hidden-states pass writes what it collected, releases its lock
         self._warn_cut_rows()
-        return self.report()
+        report = self.report()
+        self.presence.leave()  # an exception leaves the key to expire: status then says interrupted
+        return report
 
     def _mark_interrupted(self) -> None:
         """Stopped on request: the datasets not complete say ``interrupted`` (shared/ends.py) in the

@@ -157,11 +157,12 @@ class ProgressReporter:
 
         console = Console(file=self.stream, force_terminal=True if self.cfg.producer.progress == "bars" else None)
         width = max(len(n) for n in self.names)
-        # Fits an 80-column terminal: the bar takes whatever room the numbers leave.
+        # The bar takes whatever room the numbers leave: 10 columns at 90, none at 80 (the numbers stay).
         self._progress = Progress(
             TextColumn(f"[bold]{{task.description:<{width}}}"), BarColumn(bar_width=None),
             TextColumn("{task.fields[pct]:>6.2f}%"), TextColumn("{task.fields[used]:>7}/{task.fields[budget]:<7}"),
-            TextColumn("{task.fields[tok_s]:>6} tok/s"), TextColumn("ETA {task.fields[eta]:>6}"),
+            TextColumn("{task.fields[tok_s]:>6} tok/s"),
+            TextColumn("ETA {task.fields[eta]:>6} {task.fields[eta_by]:<8}"),  # and the end it comes to
             TextColumn("{task.fields[in_flight]:>4} in flight"),
             console=console, auto_refresh=False, transient=False, redirect_stderr=True, redirect_stdout=True)
         before = sys.stderr
@@ -182,7 +183,8 @@ class ProgressReporter:
             fields = {"pct": d["used_pct"] or 0.0, "used": format_tokens(d["used"]),
                       "budget": format_tokens(d["budget"]),
                       "tok_s": "-" if d["tok_s"] is None else format_tokens(round(d["tok_s"])),
-                      "eta": format_duration(d["eta_s"]), "in_flight": d["in_flight"]}
+                      "eta": format_duration(d["eta_s"]), "in_flight": d["in_flight"],
+                      "eta_by": d["eta_by"] or ""}  # the end it comes to: budget, prompts or deadline
             total = max(1, d["budget"])
             if d["dataset"] not in self._tasks:
                 self._tasks[d["dataset"]] = self._progress.add_task(d["dataset"], total=total, **fields)
