@@ -197,6 +197,9 @@ class Batcher:
         self._in_flight = 0
         self._pending: list[tuple[ScriptCall, asyncio.Future]] = []
         self._scheduled = False
+        # The pipelines on their way: the event loop keeps only weak references to tasks, and a
+        # collected one would leave its callers waiting forever.
+        self._sending: set[asyncio.Task] = set()
         self.round_trips = 0
         self.calls = 0
         self.evalshas = 0  # script runs sent: fewer than calls where item calls merged
@@ -217,7 +220,9 @@ class Batcher:
         while self._pending and self._in_flight < self._max_in_flight:
             batch, self._pending = self._pending[: self._max], self._pending[self._max:]
             self._in_flight += 1
-            asyncio.get_running_loop().create_task(self._send(batch))
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[tuple[ScriptCall, asyncio.Future]]) -> None:
         try:

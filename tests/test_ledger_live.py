@@ -48,7 +48,7 @@ def test_aborted_and_skipped_prompts_are_requeued_and_nothing_is_missing(tmp_pat
         assert d["counts"]["aborted"] == aborted, (out, d["counts"])
         led = d["ledger"]
         assert led["balanced"] and led["queued"] >= aborted and led["skipped"] == 0 and led["running"] == 0, led
-        assert led["aborted"] == aborted and d["state"] == "paused"
+        assert led["aborted"] == aborted and d["state"] == "paused" and d["stop"] == "paused"
         # 2. resume: they run again
         cli_out(cfg, "resume", "A")
         wait_for(lambda: conn.hlen(keys.resv_key("A")) >= 6, 30, "requests in flight after the resume")

@@ -26,6 +26,7 @@ from budgetq.shared.config import DatasetConfig
 from budgetq.shared.config_load import load_config
 from budgetq.shared.errors import BudgetqError
 from budgetq.shared.scripts import run
+from budgetq.shared.status import snapshot
 from tests.helpers import CLI, ROOT, check_invariants, rows, wait_for, write_config, write_dataset
 
 HELD = "admissions held"
@@ -251,6 +252,8 @@ def test_disk_fault_mid_run_holds_loses_nothing_and_resumes(tmp_path, volume, re
         log = tmp_path / "producer.log"
         wait_for(lambda: HELD in log.read_text(), 30, "the producer's hold line")
         wait_for(lambda: conn.hget(keys.conf_key("A"), "hold"), 10, "the hold in Redis")
+        (d,) = snapshot(conn, redis_url)["datasets"]
+        assert d["stop"] == "held" and d["hold"], d   # the stop reason says what holds it, not "running"
         # Workers stop reserving: what is in flight ends (kept in the stream, or written while the
         # volume still takes files), nothing new starts.
         wait_for(lambda: conn.hlen(keys.resv_key("A")) == 0, 30, "requests in flight to end")

@@ -12,18 +12,23 @@ import subprocess
 from budgetq.producer.ops import metrics
 from budgetq.shared import keys
 from budgetq.shared.status import snapshot
-from tests.helpers import CLI, PY, ROOT, Procs, check_invariants, rows, wait_for, write_config, write_dataset
+from tests.helpers import (
+    CLI,
+    PY,
+    ROOT,
+    Procs,
+    check_invariants,
+    cli_out,
+    dataset_status,
+    rows,
+    wait_for,
+    write_config,
+    write_dataset,
+)
 
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "concurrency": 8}
 # Where a row of the file can be; they add up to the file's rows.
 PLACES = ("rows", "truncated", "running", "skipped", "failed", "queued", "unread", "invalid", "filtered")
-
-
-def _status(cfg, ds: str) -> dict:
-    out = subprocess.run([*PY, "status", "--json", "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return next(d for d in json.loads(out.stdout)["datasets"] if d["dataset"] == ds)
 
 
 def _produce_json(cfg, tmp_path, name: str) -> tuple[subprocess.Popen, object]:
@@ -47,7 +52,7 @@ def test_an_interrupted_produce_exits_3_and_produce_again_completes_every_prompt
     try:
         first, err = _produce_json(cfg, tmp_path, "produce-1")
         wait_for(lambda: int(conn.hget(keys.stats_key("A"), "committed") or 0) >= 10, 60, "10 rows committed")
-        assert _status(cfg, "A")["stop"] == "running"
+        assert dataset_status(cfg, "A")["stop"] == "running"
         first.send_signal(signal.SIGINT)
         out, _ = first.communicate(timeout=60)
         err.close()  # type: ignore[attr-defined]
@@ -60,7 +65,7 @@ def test_an_interrupted_produce_exits_3_and_produce_again_completes_every_prompt
         assert a["unread"] > 0 and a["source_rows"] == 120 and sum(a[p] for p in PLACES) == 120, a
         assert "stopped on request with the run unfinished (A)" in log
         assert not conn.exists(keys.PRODUCER), "a producer that ended takes its presence key with it"
-        d = _status(cfg, "A")  # the worker goes on with what was queued; the dataset stays interrupted
+        d = dataset_status(cfg, "A")  # the worker goes on with what was queued; the dataset stays interrupted
         assert d["stop"] == "interrupted" and d["ledger"]["unread"] > 0, d
 
         second, err = _produce_json(cfg, tmp_path, "produce-2")
@@ -82,7 +87,7 @@ def test_an_interrupted_produce_exits_3_and_produce_again_completes_every_prompt
     assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] < 60, lat
     assert report["elapsed_s"] > 0 and report["tokens"] > 0 and report["tok_s"] > 0, report
     assert a["prior_mean_tokens"] == 70 and 40 <= a["mean_response_tokens"] <= 80, a
-    assert _status(cfg, "A")["stop"] == "out of prompts"
+    assert dataset_status(cfg, "A")["stop"] == "out of prompts"
 
 
 def test_a_producer_killed_without_a_word_shows_as_interrupted_once_its_key_expires(tmp_path, redis_url, conn,
@@ -96,15 +101,15 @@ def test_a_producer_killed_without_a_word_shows_as_interrupted_once_its_key_expi
         first = procs.producer()   # no worker yet: its prompts wait in the queue
         wait_for(lambda: conn.exists(keys.PRODUCER), 60, "the producer's presence key")
         assert json.loads(conn.get(keys.PRODUCER))["pid"] == first.pid and 0 < conn.ttl(keys.PRODUCER) <= 15
-        assert _status(cfg, "A")["stop"] == "running"
+        assert dataset_status(cfg, "A")["stop"] == "running"
         first.kill()   # SIGKILL: no summary, no interrupted mark; its key runs out (fast-forwarded here)
         first.wait(30)
         assert 0 < conn.ttl(keys.PRODUCER) <= 15
         conn.pexpire(keys.PRODUCER, 1)
         wait_for(lambda: not conn.exists(keys.PRODUCER), 10, "the key to expire")
-        assert _status(cfg, "A")["stop"] == "interrupted"
-        out = subprocess.run([*PY, "status", "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert "no producer is running" in out.stdout and "budgetq produce" in out.stdout, out.stdout
+        assert dataset_status(cfg, "A")["stop"] == "interrupted"
+        out = cli_out(cfg, "status")
+        assert "no producer is running: A stopped before the end; `budgetq produce` continues the run" in out, out
         procs.worker()
         second = procs.producer()
         assert second.wait(120) == 0, Procs.log(second)
@@ -137,7 +142,7 @@ def test_a_run_ended_by_its_budget_puts_every_row_of_the_file_in_summary_status_
     assert "end of run" in producer.stdout and "latency p50" in producer.stdout and "prior_mean_tokens" in \
         producer.stdout
     assert "run complete: every dataset reached its end (budget reached)" in producer.stdout
-    d = _status(cfg, "A")
+    d = dataset_status(cfg, "A")
     led = d["ledger"]
     assert d["stop"] == "budget reached" and led["unread"] == places["unread"] and led["source_rows"] == 401
     assert led["entered"] + led["invalid"] + led["filtered"] + led["unread"] == 401 and led["balanced"], led
