@@ -23,7 +23,7 @@ import redis
 from budgetq.shared import features_bytes, keys, presence, run_plan, server_faults, server_kind
 from budgetq.shared.budget import DatasetState, dataset_state
 from budgetq.shared.config import Config
-from budgetq.shared.ends import dataset_eta, prompts_left, stop_reason
+from budgetq.shared.ends import Stop, dataset_eta, prompts_left, stop_reason
 from budgetq.shared.ledger import is_settled, read_ledgers
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import dataset_names, describe, stream_entries, text
@@ -219,10 +219,11 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
         remaining = max(0, st.limit - st.used)
         eta: float | None = None
         eta_by: str | None = None
+        stop = stop_reason(st, ledger, deadline_stopped, producer_gone)
         if state == "done":
             tok_s = None  # nothing more will come: no rate, no ETA (the last minute's rate would lie)
-        elif state not in ("paused", "held") and not stalled:
-            # (paused, held or stalled: nothing is admitted or can run; the last minute's rate predicts nothing)
+        elif state not in ("paused", "held") and not stalled and stop is not Stop.INTERRUPTED:
+            # (paused, held, stalled or no producer: nothing is admitted, or can run, or is enqueued)
             end = dataset_eta(st, ledger, tok_s, None if deadline is None else deadline - now)
             eta, eta_by = end.seconds, end.by
         committed = st.stats.get("committed", 0)
@@ -251,7 +252,7 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
             "tok_s": None if tok_s is None else round(tok_s, 2),
             "eta_s": None if eta is None else round(eta, 1),
             "eta_by": eta_by,
-            "stop": str(stop_reason(st, ledger, deadline_stopped, producer_gone)),
+            "stop": str(stop),
             "prompts_left": prompts_left(ledger),
             "registered_at": st.registered_at,
             "history": history,

@@ -24,7 +24,7 @@ import yaml
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from budgetq.shared import keys
+from budgetq.shared import keys, presence
 from budgetq.shared.identity import job_id
 from budgetq.simulator.local import free_port
 
@@ -112,6 +112,12 @@ def cli_out(cfg: Path, *args: str) -> str:
     out = subprocess.run([*PY, *args, "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def producer_running(conn: redis.Redis) -> None:
+    """A running producer's presence key (shared/presence.py): the datasets a test seeds read as a
+    producer's, not as stopped before their end (``interrupted``, with no ETA)."""
+    presence.Presence(conn).beat()
 
 
 def dataset_status(cfg: Path, ds: str) -> dict:

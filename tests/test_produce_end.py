@@ -107,7 +107,8 @@ def test_a_producer_killed_without_a_word_shows_as_interrupted_once_its_key_expi
         assert 0 < conn.ttl(keys.PRODUCER) <= 15
         conn.pexpire(keys.PRODUCER, 1)
         wait_for(lambda: not conn.exists(keys.PRODUCER), 10, "the key to expire")
-        assert dataset_status(cfg, "A")["stop"] == "interrupted"
+        d = dataset_status(cfg, "A")
+        assert d["stop"] == "interrupted" and d["eta_s"] is None, d  # nothing enqueues its unread rows
         out = cli_out(cfg, "status")
         assert "no producer is running: A stopped before the end; `budgetq produce` continues the run" in out, out
         procs.worker()

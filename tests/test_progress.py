@@ -16,6 +16,7 @@ from budgetq.shared.budget import register_dataset
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.logs import JsonFormatter
 from budgetq.shared.scripts import run as run_script
+from tests.helpers import producer_running
 
 
 def _cfg(redis_url: str, progress: str, interval: float = 10.0) -> Config:
@@ -24,6 +25,7 @@ def _cfg(redis_url: str, progress: str, interval: float = 10.0) -> Config:
 
 
 def _seed(conn, cfg: Config) -> None:
+    producer_running(conn)  # the reporter runs in the producer
     for ds in cfg.datasets:
         register_dataset(conn, ds)
     run_script(conn, budget.reserve("A1", "A1-x", 100))

@@ -22,7 +22,7 @@ from budgetq.shared.config import DatasetConfig
 from budgetq.shared.ends import Stop, eta, is_complete, stop_reason, tokens_to_end
 from budgetq.shared.ledger import read_ledger
 from budgetq.shared.status import format_eta, snapshot
-from tests.helpers import CLI, ROOT, write_dataset
+from tests.helpers import CLI, ROOT, producer_running, write_dataset
 
 
 def _state(**kw) -> DatasetState:
@@ -92,7 +92,7 @@ def _running(conn, name: str, queued: int, source_rows: int, budget: str = "10M"
     conn.hset(keys.conf_key(name), mapping={"registered_at": now - 1000, "source_rows": source_rows,
                                             "source_estimated": 0, "source_limit": ""})
     conn.hset(keys.rate_key(name), str(now // keys.RATE_BUCKET_S * keys.RATE_BUCKET_S - 10), 600)
-    conn.set(keys.PRODUCER, json.dumps({"host": "h", "pid": 1, "started_at": 0}), ex=30)  # a producer runs
+    producer_running(conn)
     conn.sadd(keys.WORKERS, "w1")  # a live worker: no stall
     conn.hset(keys.worker_key("w1"), mapping={"concurrency": 8, "endpoints": "{}"})
     conn.expire(keys.worker_key("w1"), 30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -21,7 +22,7 @@ from budgetq.shared.config import DatasetConfig
 from budgetq.shared.scripts import run as run_script
 from budgetq.shared.status import COUNT_FIELDS, snapshot
 from budgetq.simulator.local import free_port
-from tests.helpers import CLI, LIVE, ROOT, live_run, rows, three_datasets, write_config
+from tests.helpers import CLI, LIVE, ROOT, live_run, producer_running, rows, three_datasets, write_config
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -39,6 +40,7 @@ def _worker_hash(conn, name: str, endpoints: dict, in_flight: int, started_at: f
 
 def _seed(conn) -> float:
     """Two datasets with counters, reservations, queued and failed jobs, rate buckets, workers, control log."""
+    producer_running(conn)
     for name, budget, mode in (("A1", "10k", "soft"), ("B2", "2k", "strict")):
         register_dataset(conn, DatasetConfig(name=name, path="x", budget=budget, mode=mode,
                                              sampling={"max_tokens": 500}, prior_mean_tokens=100))
@@ -128,8 +130,7 @@ def test_status_cli_json_text_and_watch(conn, redis_url):
                          "workers", "endpoints", "server_faults", "diagnosis", "stall", "control", "control_auto",
                          "plan", "features", "producer", "producer_absent"}
     assert snap["plan"] is None  # neither a deadline nor a total
-    # seeded without a producer: A1, unfinished, reads as stopped before its end (B2 reached its budget)
-    assert snap["producer"] is None and snap["producer_absent"].startswith("no producer is running: A1 stopped")
+    assert snap["producer"]["pid"] == os.getpid() and snap["producer_absent"] is None
     assert snap["features"] == {}  # no dataset has captured hidden states
 
     text = _cli("status", "--redis-url", redis_url)
@@ -280,6 +281,7 @@ DISK_FULL = "writing /data/out/A.jsonl failed: No space left on device"
 
 def _moving(conn, name: str, queued: int) -> None:
     """A dataset with ``queued`` jobs waiting and 600 tokens committed in the last minute (a rate, an ETA)."""
+    producer_running(conn)
     register_dataset(conn, DatasetConfig(name=name, path="x", budget="10k", sampling={"max_tokens": 500}))
     q = Queue(keys.queue_name(name), connection=conn, serializer=JSONSerializer)
     for i in range(queued):
