@@ -86,6 +86,12 @@ class Producer:
             raise output_error(cfg.output_dir, exc) from None
         for warning in warnings:
             log.warning(warning)
+        self.presence = presence.Presence(self.conn)  # its key, refreshed every tick: status tells a killed producer
+        if other := self.presence.others():
+            log.warning("another producer (host %s, pid %s) ran this deployment %d s ago or less: if it still "
+                        "runs, two producers of one run race each other; stop one", other.get("host"),
+                        other.get("pid"), presence.TTL_S)
+        self.presence.beat()  # the first write: the datasets below are this producer's from the start
         self.budgets = BudgetLoop(self.conn, cfg)  # hook: run.deadline / run.total_budget set the limits
         for f in self.feeds:
             kept = register_dataset(self.conn, f.ds, keep_limit=self.budgets.active)
@@ -111,14 +117,10 @@ class Producer:
         self._recorded = {d.name: recorded_invalid(self._invalid_files[d.name]) for d in cfg.datasets}
         for f in self.feeds:
             self._count_rows(f.ds)
+            self.presence.beat()  # (a large file takes seconds to count)
         self.clock = RunClock(self.conn, [d.name for d in cfg.datasets])  # the end-of-run block's start
         # capture: features: the hook hidden_states registers (producer/run/hooks.py); last: it takes locks
         self.capture = make_capture(cfg)
-        self.presence = presence.Presence(self.conn)  # its key, from the first tick: status tells a killed producer
-        if other := self.presence.others():
-            log.warning("another producer (host %s, pid %s) ran this deployment %d s ago or less: if it still "
-                        "runs, two producers of one run race each other; stop one", other.get("host"),
-                        other.get("pid"), presence.TTL_S)
 
     def _count_rows(self, ds: DatasetConfig) -> None:
         """The file's rows, for the ledger's ``unread`` and the ETA's prompts left (shared/ends.py)."""
