@@ -151,6 +151,7 @@ def test_holds_stalls_and_server_faults_reach_the_api_and_metrics(redis_url, con
     assert m[("budgetq_held", (("dataset", "H"),))] == 1 and m[("budgetq_held", (("dataset", "B2"),))] == 0
     assert m[("budgetq_paused", (("dataset", "H"),))] == 0   # held is not an operator's pause
     assert m[("budgetq_stalled", ())] == 1
+    assert m[("budgetq_producer_running", ())] == 0   # seeded without one
     assert m[("budgetq_endpoint_failing", (("endpoint", "http://sg:30000"),))] == 1
 
     def faults(url: str) -> dict[str, float]:

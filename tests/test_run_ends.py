@@ -147,6 +147,7 @@ def test_metrics_and_the_monitor_page_carry_the_stop_reason_and_the_unread_rows(
     assert 'budgetq_ledger_unread_prompts{dataset="A"} 10.0' in text
     assert 'budgetq_ledger_unread_prompts{dataset="B"} 27.0' in text   # 40 - 12 entered - 1 invalid
     assert 'budgetq_stop{dataset="A",reason="running"} 1.0' in text
+    assert "budgetq_producer_running 1.0" in text
     assert 'budgetq_stop{dataset="B",reason="budget reached"} 1.0' in text
     assert 'budgetq_stop{dataset="B",reason="out of prompts"} 0.0' in text
     page = (ROOT / "producer" / "ops" / "static" / "monitor.html").read_text()

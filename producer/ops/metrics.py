@@ -106,6 +106,9 @@ class SnapshotCollector:
         yield GaugeMetricFamily("budgetq_stalled", "1 while no prompt can move: no live worker while prompts "
                                 "wait, or every server failing (the line is the snapshot's stall).",
                                 value=1.0 if self.snap["stall"] else 0.0)
+        yield GaugeMetricFamily("budgetq_producer_running", "1 while a producer runs (its presence key is fresh); "
+                                "0 once it ended or was killed (shared/presence.py).",
+                                value=1.0 if self.snap.get("producer") else 0.0)
 
         yield GaugeMetricFamily("budgetq_workers", "Live workers.", value=float(len(self.snap["workers"])))
         w_in = GaugeMetricFamily("budgetq_worker_in_flight", "Jobs a worker has in flight.", labels=["worker"])
