@@ -147,3 +147,21 @@ def test_a_job_cancelled_for_shutdown_goes_back_to_the_front_of_its_queue(conn, 
     assert conn.zcard(keys.rq_wip_key("D")) == 0 and conn.hlen(keys.resv_key("D")) == 0
     assert _stats(conn).get("requeued") == 2
     assert Job.fetch("D-p0", connection=conn, serializer=JSONSerializer).get_status() == JobStatus.QUEUED
+
+
+@pytest.mark.parametrize("reason", [Abort.SHUTDOWN, Abort.WITHDRAWN])
+def test_a_job_cancelled_before_its_task_first_ran_still_ends_and_leaves_the_table(conn, redis_url, reason):
+    # The feeder claims, creates the tasks and, with no await between, may cancel them (every server
+    # down; an abort): a task cancelled before its first step never enters run_job, so its finally
+    # never took the job off the table, and a burst worker waited for it forever.
+    _enqueue(conn, [_payload(0), _payload(1)])
+
+    async def at_once(tracked: list[Tracked]) -> None:
+        for t in tracked:
+            t.cancel(reason)   # the tasks exist and have not run a step yet
+
+    recorder, _tracked, table = asyncio.run(_flow(redis_url, 2, FakeClient(), at_once))
+    assert not table, table
+    # not admitted yet: nothing to release; back at the front of the queue either way
+    assert sorted(conn.lrange(keys.rq_queue_key("D"), 0, -1)) == [b"D-p0", b"D-p1"]
+    assert conn.zcard(keys.rq_wip_key("D")) == 0 and conn.hlen(keys.resv_key("D")) == 0

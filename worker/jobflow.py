@@ -34,7 +34,10 @@ _KEPT = {Outcome.COMMITTED: ResultStatus.COMMITTED, Outcome.CROSSED: ResultStatu
 
 
 async def run_job(ctx: JobContext, t: Tracked) -> None:
+    t.started = True
     try:
+        if t.cancel_requested:  # cancelled before this first step (worker/tracked.py Tracked.cancel)
+            raise asyncio.CancelledError
         try:
             payload = t.payload = JobPayload.model_validate(t.claimed.payload())
         except Exception as exc:  # a bad payload fails this prompt only

@@ -46,6 +46,11 @@ class Tracked:
     prompt_tokens: int = 0
     abort_reason: Abort | None = None
     reported: bool = False     # said once that it has been held long (``report_long_held``)
+    # run_job sets ``started`` at its first step. A task cancelled before that step never enters the
+    # coroutine (its finally, which takes the job off the table and requeues it, would never run), so
+    # such a cancel is only noted, and run_job acts on it when it starts.
+    started: bool = False
+    cancel_requested: bool = False
 
     @property
     def job_id(self) -> str:
@@ -57,6 +62,9 @@ class Tracked:
             return
         if self.abort_reason is None:
             self.abort_reason = reason
+        if not self.started:
+            self.cancel_requested = True
+            return
         self.task.cancel()
 
 
