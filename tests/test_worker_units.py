@@ -6,6 +6,7 @@ private Redis (tests/conftest.py) where Redis is involved, an in-process HTTP se
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import aiohttp
@@ -338,3 +339,42 @@ def test_a_job_held_long_is_reported_once_with_where_it_waits(caplog):
         asyncio.run(main())
     lines = [r.getMessage() for r in caplog.records if "waiting in" in r.getMessage()]
     assert len(lines) == 1 and "job D-p1: sending for 125 s" in lines[0] and "stuck" in lines[0], lines
+
+
+def test_the_background_loops_stop_even_when_a_cancellation_is_swallowed(caplog):
+    from budgetq.worker.loops import Loops
+
+    async def main() -> Loops:
+        loops = Loops("w-test")
+        inside = asyncio.Event()
+
+        async def swallows() -> None:  # as a library on the way once did: the cancel never reaches the loop
+            inside.set()
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass
+
+        once: list[bool] = []
+
+        async def stuck() -> None:  # a task that ignores its first cancel altogether
+            while True:
+                try:
+                    await asyncio.sleep(10)
+                except asyncio.CancelledError:
+                    if once:
+                        raise
+                    once.append(True)
+
+        loops.every(0.001, swallows, "swallower")
+        loops.run(stuck(), "stuck")
+        await inside.wait()
+        await loops.stop(timeout_s=0.5)
+        return loops
+
+    with caplog.at_level(logging.WARNING, logger="budgetq.worker"):
+        loops = asyncio.run(main())
+    swallower, stuck = loops.tasks
+    assert swallower.done() and not swallower.cancelled()   # it ended at its next turn, cancel or not
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker w-test: background loops still running 0.5 s after the stop, left behind: stuck"]

@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -41,6 +41,7 @@ from budgetq.worker.context import JobContext, Slots
 from budgetq.worker.control import Control
 from budgetq.worker.estimator import LengthModel
 from budgetq.worker.jobflow import run_job
+from budgetq.worker.loops import Loops
 from budgetq.worker.recorder import Recorder
 from budgetq.worker.sglang_client import SGLangClient
 from budgetq.worker.tracked import Abort, JobTable, Phase, Tracked, report_long_held
@@ -216,16 +217,6 @@ class ConcurrentWorker:
             self.wake.set()
 
     # -- background loops ----------------------------------------------------------------
-    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], what: str) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await fn()
-            except REDIS_DOWN as exc:
-                log.warning("worker %s: %s skipped, redis unreachable: %s", self.name, what, exc)
-            except Exception:  # a bug in a background loop must not kill the worker silently
-                log.exception("worker %s: %s failed", self.name, what)
-
     async def _heartbeat(self) -> None:
         assert self.rq_worker is not None  # the loops start after registration
         leases = [(t.ds, t.claimed.member, t.claimed.job_id) for t in self.jobs.values()]
@@ -336,22 +327,20 @@ class ConcurrentWorker:
                 return 0
             log.info("worker %s: up to %d requests in flight, servers %s", self.name, self.concurrency,
                      ", ".join(self.cfg.server.urls))
-            loops = [asyncio.create_task(c) for c in (
-                self._every(self.cfg.worker.control_interval_s, self.control.tick, "control"),
-                self._every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat"),
-                self._every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance"),
-                self._every(FLUSH_INTERVAL_S, self.recorder.flush, "stats"),
-                self._every(FLUSH_INTERVAL_S, self._watch_servers, "servers"),
-                self._every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status"),
-                *([self.capacity.run(self.stopping)] if self.capacity else []),
-            )]
+            loops = Loops(self.name)
+            loops.every(self.cfg.worker.control_interval_s, self.control.tick, "control")
+            loops.every(max(1.0, self.ttl / 3), self._heartbeat, "heartbeat")
+            loops.every(self.cfg.worker.maintenance_interval_s, self._maintain, "maintenance")
+            loops.every(FLUSH_INTERVAL_S, self.recorder.flush, "stats")
+            loops.every(FLUSH_INTERVAL_S, self._watch_servers, "servers")
+            loops.every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status")
+            if self.capacity:
+                loops.run(self.capacity.run(self.stopping), "capacity")
             try:
                 await self._feed()
                 await self._drain()
             finally:
-                for t in loops:
-                    t.cancel()
-                await asyncio.gather(*loops, return_exceptions=True)
+                await loops.stop()
         finally:
             await self._close()
         return 0
