@@ -377,4 +377,7 @@ def test_the_background_loops_stop_even_when_a_cancellation_is_swallowed(caplog)
     swallower, stuck = loops.tasks
     assert swallower.done() and not swallower.cancelled()   # it ended at its next turn, cancel or not
     assert [r.getMessage() for r in caplog.records] == [
+        "worker w-test: the swallower loop's cancellation was swallowed in "
+        "test_the_background_loops_stop_even_when_a_cancellation_is_swallowed.<locals>.main.<locals>.swallows; "
+        "it ends anyway",
         "worker w-test: background loops still running 0.5 s after the stop, left behind: stuck"]

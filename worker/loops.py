@@ -38,6 +38,9 @@ class Loops:
                 return
             try:
                 await fn()
+                if self._stopping and (task := asyncio.current_task()) is not None and task.cancelling():
+                    log.warning("worker %s: the %s loop's cancellation was swallowed in %s; it ends anyway",
+                                self.owner, what, getattr(fn, "__qualname__", fn))
             except REDIS_DOWN as exc:
                 log.warning("worker %s: %s skipped, redis unreachable: %s", self.owner, what, exc)
             except Exception:  # a bug in a background loop must not kill the worker silently
