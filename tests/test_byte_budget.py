@@ -15,8 +15,8 @@ from budgetq.producer.run.allocation import byte_shares
 from budgetq.shared import features_bytes, keys
 from budgetq.shared.config_load import load_config
 from budgetq.shared.scripts import run
-from tests.helpers import PY, ROOT, Procs
-from tests.test_features import HIDDEN, features_config, run_features, write_rows
+from tests.helpers import PY, ROOT
+from tests.test_features import HIDDEN, features_config, run_features, run_features_with_a_worker, write_rows
 
 
 def test_the_byte_budget_is_split_by_weight_and_water_filled():
@@ -91,12 +91,7 @@ def test_each_dataset_stops_capturing_at_its_share(tmp_path, redis_url, conn, si
     cfg, root = _two_datasets(tmp_path, redis_url, sim, store)
     write_rows(tmp_path / "out", "A", 40)
     write_rows(tmp_path / "out", "B", 40)
-    procs = Procs(cfg, tmp_path)
-    try:
-        procs.start("features-worker")
-        res = run_features(cfg)
-    finally:
-        procs.stop_all()
+    res = run_features_with_a_worker(cfg, tmp_path)
     assert res.returncode == 1, res.stdout + res.stderr
     lines = [ln for ln in res.stderr.splitlines() if "disk budget reached" in ln]
     assert any("dataset A: disk budget reached: its share is 2000 bytes (features.max_bytes 8000 split by weight)"

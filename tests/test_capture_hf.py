@@ -32,7 +32,7 @@ from budgetq.shared.config_features import FeaturesModelConfig  # noqa: E402
 from budgetq.shared.config_load import load_config  # noqa: E402
 from budgetq.shared.errors import ConfigError  # noqa: E402
 from tests.helpers import PY, ROOT, Procs, stock_rq_worker, wait_for  # noqa: E402
-from tests.test_features import run_features, write_rows  # noqa: E402
+from tests.test_features import run_features, run_features_with_a_worker, write_rows  # noqa: E402
 from tests.tiny_llama import make_tiny_llama  # noqa: E402
 from tests.tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
 
@@ -197,13 +197,8 @@ def capture_and_export(tmp_path: Path, redis_url: str, tiny: tuple[str, str], n:
     cfg = hf_config(tmp_path, redis_url, tiny)
     out = tmp_path / "out"
     ids = write_rows(out, "A", n)
-    procs = Procs(cfg, tmp_path)
-    try:
-        procs.start("features-worker")
-        res = run_features(cfg, timeout=180)
-        assert res.returncode == 0, res.stdout + res.stderr
-    finally:
-        procs.stop_all()
+    res = run_features_with_a_worker(cfg, tmp_path, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
     # SpecForge's offline layout, aux included, from one pass of one worker (no second server)
     res = subprocess.run([*PY, "export", "-c", str(cfg), "--format", "specforge-offline"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

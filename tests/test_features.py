@@ -62,6 +62,17 @@ def run_features(cfg: Path, *extra: str, timeout: float = 120) -> subprocess.Com
                           timeout=timeout, env=dict(os.environ))
 
 
+def run_features_with_a_worker(cfg: Path, log_dir: Path, *extra: str,
+                               timeout: float = 120) -> subprocess.CompletedProcess:
+    """One `budgetq features-worker` beside `budgetq features` (``run_features``); the worker is stopped after."""
+    procs = Procs(cfg, log_dir)
+    try:
+        procs.start("features-worker")
+        return run_features(cfg, *extra, timeout=timeout)
+    finally:
+        procs.stop_all()
+
+
 def check_samples(out: Path, ds: str, ids: list[str]) -> list[dict]:
     """Every id indexed once, hidden rows aligned with input_ids, loss mask = the answer's tokens."""
     d = features_dir(out, ds)
@@ -470,13 +481,8 @@ def test_aux_server_answers_are_kept_as_aux_hidden_state(tmp_path, redis_url, co
     cfg.write_text(yaml.safe_dump(raw))
     out = tmp_path / "out"
     ids = write_rows(out, "A", 5)
-    procs = Procs(cfg, tmp_path)
-    try:
-        procs.start("features-worker")
-        res = run_features(cfg)
-        assert res.returncode == 0, res.stdout + res.stderr
-    finally:
-        procs.stop_all()
+    res = run_features_with_a_worker(cfg, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
     rows = check_samples(out, "A", ids)
     d = features_dir(out, "A")
     for r in rows:

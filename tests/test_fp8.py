@@ -164,8 +164,8 @@ def test_fp8_through_a_whole_pass_with_the_store(tmp_path, redis_url):
     features.dtype fp8: every row in exactly one fp8 shard, `--check` consistent, and the export's bf16 files
     within cosine 0.99 of the bf16 the backend handed over, token for token."""
     from budgetq.hidden_states.capture.decode import to_dtype
-    from tests.helpers import PY, ROOT, Procs
-    from tests.test_features import features_config, run_features, write_rows
+    from tests.helpers import PY, ROOT
+    from tests.test_features import features_config, run_features, run_features_with_a_worker, write_rows
     from tests.test_features_store import exactly_once
 
     cfg = features_config(tmp_path, redis_url, "http://127.0.0.1:9", backend="synthetic", dtype="fp8",
@@ -174,12 +174,7 @@ def test_fp8_through_a_whole_pass_with_the_store(tmp_path, redis_url):
     raw["features"]["store"] = str(tmp_path / "store")
     cfg.write_text(yaml.safe_dump(raw))
     ids = write_rows(tmp_path / "out", "A", 8)
-    procs = Procs(cfg, tmp_path)
-    try:
-        procs.start("features-worker")
-        res = run_features(cfg)
-    finally:
-        procs.stop_all()
+    res = run_features_with_a_worker(cfg, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     exactly_once(tmp_path / "store", ids)
     rows = index_rows(features_dir(tmp_path / "store", "A") / "index.jsonl")
