@@ -125,7 +125,10 @@ class DatasetConfig(Strict):
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
     # Independent answers per prompt (docs/datasets.md "Samples per prompt"): the first keeps the
     # prompt's id, the k-th is `<id>#<k>`, each with its own seed, row and share of the budget.
-    samples: int = Field(default=1, ge=1, le=1000)
+    # `auto`: one answer a prompt, and once every prompt is answered while the budget still admits
+    # requests, further answers in rounds (every prompt its 2nd before any its 3rd) up to max_samples.
+    samples: Annotated[int, Field(ge=1, le=1000)] | Literal["auto"] = 1
+    max_samples: int | None = Field(default=None, ge=2, le=1000)   # samples: auto's cap (required with it)
     shuffle: bool = False
     shuffle_seed: int = 0
     min_prompt_chars: int | None = Field(default=None, ge=0)   # filter: shorter prompts are skipped
@@ -197,16 +200,27 @@ class DatasetConfig(Strict):
                              f"conversations_field (got {', '.join(fields)})")
         if not fields:
             self.prompt_field = "prompt"
+        if self.samples == "auto" and self.max_samples is None:
+            raise ValueError(f"dataset {self.name}: samples: auto needs max_samples (the most answers a prompt "
+                             "may give, e.g. max_samples: 4)")
+        if self.samples != "auto" and self.max_samples is not None:
+            raise ValueError(f"dataset {self.name}: max_samples {self.max_samples} is samples: auto's cap, but "
+                             f"samples is {self.samples}: set samples: auto or drop max_samples")
         greedy = greedy_reason(self.sampling)
-        if self.samples > 1 and greedy:
+        if self.answers_max > 1 and greedy:
             raise ValueError(f"dataset {self.name}: samples: {self.samples} with {greedy} (greedy decoding) "
-                             f"writes {self.samples} identical answers per prompt: raise the temperature or "
+                             f"writes {self.answers_max} identical answers per prompt: raise the temperature or "
                              "set samples: 1")
         if self.min_prompt_chars is not None and self.max_prompt_chars is not None \
                 and self.min_prompt_chars > self.max_prompt_chars:
             raise ValueError(f"dataset {self.name}: min_prompt_chars {self.min_prompt_chars} > "
                              f"max_prompt_chars {self.max_prompt_chars}")
         return self
+
+    @property
+    def answers_max(self) -> int:
+        """The most answers one prompt gives: ``samples``, or ``max_samples`` with samples: auto."""
+        return self.samples if isinstance(self.samples, int) else (self.max_samples or 1)
 
     @property
     def max_tokens(self) -> int:

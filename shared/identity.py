@@ -16,6 +16,12 @@
   ``enc`` never starts with ``-`` and a hashed one always does, so the two never meet;
   two hashed ids collide only if 128 bits of sha256 do. Job ids never hold ``.`` (the
   worker appends ``.<hex>`` per attempt to make SGLang rids).
+- An **answer id** (``samples: N``, docs/datasets.md "Samples per prompt"): a prompt's first answer
+  keeps the prompt's id; its k-th (k >= 2) is the string ``<id>#<k>`` (``p7#2``, ``12#3``). A
+  dataset with ``samples`` above 1 refuses, as an invalid row, every id that itself ends in
+  ``#<digits>`` (``answer_suffix``), so an answer id can never be another prompt's id: the ids of
+  such a dataset's prompts and the suffixed ids of their answers are disjoint sets by construction.
+  Every answer then has its own job id, done-set member and row, through the rules above.
 - ``legacy_job_id`` is the formula of earlier versions (``<dataset>-<clean>``), kept only so
   a producer can recognise jobs and done-set members written before the change
   (see producer/run/migrate.py).
@@ -48,6 +54,9 @@ SCHEME_FIELD = "id_scheme"
 ID_FIELD_FIELD = "id_field"
 SCHEME = "2"
 SCHEME_MIGRATED = "1+2"   # state of the old scheme exists: old job ids are recognised too
+# The suffix that makes an answer id (k >= 2); ids matching it are refused where samples > 1.
+ANSWER_SUFFIX = re.compile(r"#[0-9]+\Z")
+SEED_MAX = 2**31  # derived seeds fit every engine's seed field (llama.cpp's is 32-bit, SGLang's and vLLM's int)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -160,3 +169,24 @@ def stable_id(row: dict[str, Any]) -> str:
     """A prompt id from the row's content, stable across runs and machines."""
     blob = json.dumps(row, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(_utf8(blob)).hexdigest()[:24]
+
+
+def answer_id(pid: PromptId, sample: int) -> PromptId:
+    """The id of answer ``sample`` (1-based) of prompt ``pid``: the prompt's own id for the first,
+    ``<id>#<sample>`` for the others (an integer id's later answers are strings: ``12#2``)."""
+    if sample < 1:
+        raise ValueError(f"sample index {sample} is not >= 1")
+    return pid if sample == 1 else f"{id_text(pid)}#{sample}"
+
+
+def answer_suffix(pid: PromptId) -> bool:
+    """Whether ``pid`` looks like an answer id (ends in ``#<digits>``): refused where samples > 1."""
+    return ANSWER_SUFFIX.search(id_text(pid)) is not None
+
+
+def answer_seed(base: int | None, dataset: str, pid: PromptId, sample: int) -> int:
+    """The sampling seed of answer ``sample`` of prompt ``pid``: a hash of the dataset's own seed
+    (``sampling.seed``, 0 when unset), its name, the prompt's id and the sample index, so every
+    answer samples differently and a rerun sends the same seed again."""
+    blob = json.dumps([base or 0, dataset, id_text(pid), sample], ensure_ascii=False)
+    return int.from_bytes(hashlib.sha256(_utf8(blob)).digest()[:8], "big") % SEED_MAX

@@ -26,7 +26,12 @@ the file has a place:
 
     source_rows == entered + invalid + filtered + unread
 
-(``unread`` = source_rows - the rest, 0 once every row is read, None while the file's size is
+With ``samples: N`` (docs/datasets.md "Samples per prompt") every valid row is N answers, each its
+own job: the states, ``entered`` and ``unread`` count answers, ``invalid`` and ``filtered`` rows, and
+
+    source_rows x samples == entered + (invalid + filtered) x samples + unread
+
+(``unread`` = what the file's rows leave after the rest, 0 once every row is read, None while the file's size is
 unknown; ``unread_estimated`` while source_rows is a large file's estimate or the dataset has a
 ``limit``); and ``aborted``, how many requests were aborted in flight (each went back to the
 queue, so it is in ``queued`` or later states).
@@ -53,7 +58,7 @@ STATES = ("queued", "running", "rows", "truncated", "skipped", "failed")
 _ENTRY = (Stat.ENQUEUED, Stat.ADOPTED, Stat.ABORTED, Stat.INVALID, Stat.FILTERED)
 _DONE = (Stat.COMMITTED, Stat.TRUNCATED)
 # Fields of the conf hash that say how many rows the file has and whether they are all read.
-_SOURCE = (Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED, Conf.SOURCE_LIMIT, Conf.SOURCE_ENDED)
+_SOURCE = (Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED, Conf.SOURCE_LIMIT, Conf.SOURCE_ENDED, Conf.SAMPLES)
 _FIRST = 7  # replies per dataset in the first pipeline
 
 
@@ -109,14 +114,16 @@ def read_ledgers(conn: redis.Redis, names: Iterable[str]) -> dict[str, dict[str,
 
 def _unread(source: list[Any], entered: int, invalid: int, filtered: int) -> dict[str, Any]:
     """The rows of the file not read: what its row count leaves after the rows that have a state."""
-    rows, estimated, limit, ended = (text(v) if v is not None else None for v in source)
+    rows, estimated, limit, ended, samples_text = (text(v) if v is not None else None for v in source)
+    samples = max(1, _int(samples_text)) if samples_text else 1  # answers per valid row
     if rows is None or rows == "":
-        return {"source_rows": None, "unread": 0 if ended == "1" else None, "unread_estimated": False}
+        return {"source_rows": None, "unread": 0 if ended == "1" else None, "unread_estimated": False,
+                "samples": samples}
     total = _int(rows)
-    unread = 0 if ended == "1" else max(0, total - entered - invalid - filtered)
+    unread = 0 if ended == "1" else max(0, (total - invalid - filtered) * samples - entered)
     if limit and ended != "1":  # at most `limit` valid prompts are ever sent
-        unread = min(unread, max(0, _int(limit) - entered))
-    return {"source_rows": total, "unread": unread,
+        unread = min(unread, max(0, _int(limit) * samples - entered))
+    return {"source_rows": total, "unread": unread, "samples": samples,
             "unread_estimated": ended != "1" and (estimated == "1" or bool(limit))}
 
 

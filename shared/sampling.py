@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from budgetq.shared.errors import ConfigError
 from budgetq.shared.schema import SamplingParams
 from budgetq.shared.sglang_names import (
     CHAT_REQUEST_KEYS,
@@ -41,7 +42,7 @@ _OWNED = {
                  "top_p": "sampling.top_p", "top_k": "sampling.top_k", "min_p": "sampling.min_p",
                  "repetition_penalty": "sampling.repetition_penalty", "stop": "sampling.stop",
                  "sampling_seed": "sampling.seed",
-                 "n": "nothing (budgetq keeps one answer per prompt: n must stay 1)"},
+                 "n": "samples: N (budgetq sends one request per answer: n must stay 1)"},
     "chat": {"max_tokens": "sampling.max_tokens", "max_completion_tokens": "sampling.max_tokens",
              "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
              "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
@@ -49,7 +50,7 @@ _OWNED = {
              "model": "server.model", "rid": "nothing (budgetq sets a fresh rid per attempt)",
              "stream": "nothing (budgetq does not stream)", "stream_options": "nothing (budgetq does not stream)",
              "chat_template_kwargs": "the dataset's chat_template_kwargs",
-             "n": "nothing (budgetq keeps one answer per prompt: n must stay 1)",
+             "n": "samples: N (budgetq sends one request per answer: n must stay 1)",
              "input_ids": "nothing (use server.api: generate to send token ids)"},
 }
 # The same option under the other API's (or another tool's) name.
@@ -147,6 +148,14 @@ def resolve_datasets(datasets: list[Any], tokenizer: str | None) -> None:
     model_defaults, source = generation_defaults(tokenizer)
     for ds in datasets:
         ds.sampling, origin = resolve(ds.sampling, model_defaults, source)
+        samples = getattr(ds, "samples", 1)
+        greedy = [k for k in ("temperature", "top_k")
+                  if origin[k] != "config" and getattr(ds.sampling, k) == {"temperature": 0, "top_k": 1}[k]]
+        if getattr(ds, "answers_max", 1) > 1 and greedy:
+            # the config check (shared/config.py) saw no greedy value: the model's defaults bring one
+            raise ConfigError(f"dataset {ds.name}: samples: {samples} with {greedy[0]} "
+                              f"{getattr(ds.sampling, greedy[0])} from {origin[greedy[0]]} (greedy decoding) writes "
+                              f"{ds.answers_max} identical answers per prompt: set sampling.{greedy[0]} or samples: 1")
         log.info("dataset %s: sampling: %s", ds.name, sampling_summary(ds.sampling, origin))
         log.debug("dataset %s: sampling %s", ds.name,
                   ", ".join(f"{k}={getattr(ds.sampling, k)} ({origin[k]})" for k in NEUTRAL))

@@ -78,6 +78,9 @@ class JobPayload(BaseModel):
     # features.vllm.single_pass: the directory where the engine writes this request's hidden states
     # (``kv_transfer_params``); the worker names the file per attempt. None: a plain generation request.
     hidden_states_dir: str | None = None
+    # samples > 1: which answer of its prompt this job is (1-based; ``id`` is then the answer id,
+    # shared/identity.py answer_id). None: the dataset's one answer per prompt.
+    sample: int | None = Field(default=None, ge=1)
 
     @field_validator("turns")
     @classmethod
@@ -140,6 +143,9 @@ class ResultRow(BaseModel):
     # features.vllm.single_pass: the file the engine wrote this answer's hidden states to (prompt + answer,
     # but the last sampled token); its features job stores it instead of prefilling again. Left out when None.
     hidden_states_file: str | None = None
+    # samples > 1: which answer of its prompt this row is (1-based); ``id`` is the answer id, the
+    # prompt's id with ``#<sample>`` for sample 2 on. Left out when None (samples: 1).
+    sample: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -153,7 +159,7 @@ class ResultRow(BaseModel):
         """A single-request row is written as before: no ``turns`` key at all. An integer id is
         written as an integer in JSON (the file); Python dumps keep the key (a string)."""
         out: dict[str, Any] = handler(self)
-        for key in ("turns", "hidden_states_file"):
+        for key in ("turns", "hidden_states_file", "sample"):
             if key in out and out[key] is None:
                 del out[key]
         if self.int_id and info.mode_is_json() and "id" in out:

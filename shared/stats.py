@@ -38,6 +38,7 @@ class Conf(enum.StrEnum):
                                      # (producer/reading/row_count.py), exact once every row is read
     SOURCE_ESTIMATED = "source_estimated"  # "1" while source_rows is an estimate (a large file's sample)
     SOURCE_LIMIT = "source_limit"    # the dataset's limit: at most this many valid prompts ("" = none)
+    SAMPLES = "samples"              # answers per prompt (samples: N): the ledger counts answers
     INTERRUPTED = "interrupted"      # "1": the producer was stopped on request before the dataset ended
                                      # (shared/ends.py; cleared on registration)
 

@@ -28,9 +28,9 @@ def result(i: int, reasoning: str | None = None) -> dict:
 def as_parquet(row: dict) -> dict:
     """``row`` as Parquet gives it back: every turn has reasoning_content (null where absent), and a
     single-request row has a null ``turns`` (the per-request counts of regenerate: all), and a row without
-    features.vllm.single_pass a null ``hidden_states_file``."""
+    features.vllm.single_pass a null ``hidden_states_file``, and a samples: 1 row a null ``sample``."""
     turns = [{"reasoning_content": None, **t} for t in row["conversations"]]
-    return {"turns": None, "hidden_states_file": None, **row, "conversations": turns}
+    return {"turns": None, "hidden_states_file": None, "sample": None, **row, "conversations": turns}
 
 
 def write_results(path: Path, rows: list[dict], bad: dict[int, str] | None = None) -> None:

@@ -39,6 +39,7 @@ import hashlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -50,6 +51,7 @@ from budgetq.shared.schema import JobPayload
 
 log = logging.getLogger("budgetq.endpoints")
 _SLACK = 2   # requests an endpoint may hold over prefix_balance x the least-loaded one's
+_HOMES = 4096  # keys whose endpoint prefix routing remembers (for the later answers of a prompt)
 _DETECT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 # While /server_info gives no answer (a 5xx, a timeout), it is asked again at most this often,
 # not once per request; meanwhile requests carry only standard fields (sglang_client.py).
@@ -75,8 +77,9 @@ class Endpoint:
     # SGLang's own route), VLLM or OPENAI.
     kind: str | None = None
     model: str | None = None    # the model name its requests carry (server.model, else resolved)
-    # The server's own load as last read (worker/capacity.py, concurrency: auto): running, waiting,
-    # kv_cache_use (vLLM), slots (the running slots sized from), read_at (unix s); None until read.
+    # The server's own load as last read (worker/capacity.py, concurrency: auto; vLLM's also with a fixed
+    # concurrency, worker/vllm_load.py read_loads): running, waiting, kv_cache_use (vLLM), slots (the
+    # running slots sized from; None when nothing is sized), read_at (unix s); None until read.
     load: dict | None = None
     asked_at: float = 0.0       # when its kind was last asked without an answer (monotonic)
     refused: str | None = None  # why its answer cannot be used (several models, no server.model)
@@ -100,12 +103,27 @@ def _asked_lately(ep: Endpoint) -> bool:
     return bool(ep.asked_at) and time.monotonic() - ep.asked_at < _DETECT_AGAIN_S
 
 
-def routing_key(payload: JobPayload, prefix_chars: int) -> bytes:
+class RoutingKey(bytes):
+    """A routing key, and how many requests over the load bound its endpoint may take for it
+    (``siblings``): answer k of a prompt (samples: N) follows its k - 1 siblings, which hold the
+    same prompt in flight on that endpoint, so a prompt's answers share one prefill instead of
+    spilling to a second server. The bound grows by at most N - 1 requests an endpoint."""
+    siblings: int = 0
+
+
+def routing_key(payload: JobPayload, prefix_chars: int) -> RoutingKey:
     """What decides a request's endpoint under prefix routing: the start of what the server caches.
 
     Chat: the first ``prefix_chars`` characters of the messages, role and content, in order (the
     server's chat template puts them in that order, so equal starts mean a shared KV prefix).
-    Generate: the first ``prefix_chars // 4`` input ids (about 4 characters a token)."""
+    Generate: the first ``prefix_chars // 4`` input ids (about 4 characters a token). The answers
+    of one prompt share it (their messages are the same) and carry their sibling allowance."""
+    key = RoutingKey(_prefix(payload, prefix_chars))
+    key.siblings = (payload.sample or 1) - 1
+    return key
+
+
+def _prefix(payload: JobPayload, prefix_chars: int) -> bytes:
     if payload.input_ids is not None:
         head = payload.input_ids[:max(1, prefix_chars // 4)]
         return b"ids:" + ",".join(map(str, head)).encode()
@@ -170,6 +188,9 @@ class EndpointPool:
         self._any_healthy = asyncio.Event()
         self._any_healthy.set()
         self._down_logged_at = 0.0
+        # prefix routing: where each recent key went, so a prompt's later answers join its first
+        # even when that one spilled past its first choice (bounded: the oldest keys are forgotten)
+        self._homes: OrderedDict[bytes, Endpoint] = OrderedDict()
         self._detecting: dict[str, asyncio.Lock] = {}
 
     @property
@@ -196,10 +217,22 @@ class EndpointPool:
             # Bounded loads: an endpoint takes a request only while it holds at most prefix_balance x
             # the least-loaded one's (+ a little slack, so a handful in flight does not scatter keys).
             balance = self._server.prefix_balance
-            for e in sorted(healthy, key=lambda e: _rank(key, e), reverse=True):
-                if e.in_flight + 1 - _SLACK <= balance * low * e.weight:
-                    return e
-        return random.choice([e for e in healthy if e.in_flight / e.weight == low])
+            siblings = getattr(key, "siblings", 0)  # a prompt's later answers follow its first
+            slack = _SLACK + siblings
+            home = self._homes.get(key) if siblings else None
+            ranked = sorted(healthy, key=lambda e: _rank(key, e), reverse=True)
+            for e in ([home] if home is not None and home.healthy else []) + ranked:
+                if e.in_flight + 1 - slack <= balance * low * e.weight:
+                    return self._home(key, e)
+        chosen = random.choice([e for e in healthy if e.in_flight / e.weight == low])
+        return self._home(key, chosen) if key is not None else chosen
+
+    def _home(self, key: bytes, ep: Endpoint) -> Endpoint:
+        self._homes[key] = ep
+        self._homes.move_to_end(key)
+        if len(self._homes) > _HOMES:
+            self._homes.popitem(last=False)
+        return ep
 
     def served(self, ep: Endpoint, prompt_tokens: int, cached_tokens: int) -> None:
         """Count an answered request's prompt tokens and how many of them the server had cached."""

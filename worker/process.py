@@ -52,6 +52,7 @@ def build_row(payload: JobPayload, out: turns.Result, model: str) -> ResultRow:
         finish_reason=out.finish_reason, model=out.model or model, endpoint=out.endpoint,
         latency_s=round(out.latency_s, 4), turns=per_turn,
         hidden_states_file=out.hidden_states_file if isinstance(out, Completion) else None,
+        sample=payload.sample,
     )
 
 

@@ -26,6 +26,7 @@ from budgetq.producer.reading.reader import DUPLICATE, Invalid, Prompt, read_pro
 from budgetq.producer.reading.tally import RowTally
 from budgetq.producer.run import disk_guard
 from budgetq.producer.run.disk_guard import MB
+from budgetq.producer.run.feed import refuse_suffix
 from budgetq.shared import keys, server_kind
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.errors import BudgetqError, ConfigError
@@ -82,6 +83,8 @@ class DatasetCheck:
     mode: str
     count: str
     prior_mean_tokens: int
+    samples: int = 1   # answers per prompt (samples: auto: max_samples): the budget, done and the needs count answers
+    auto: bool = False  # samples: auto: answers are drawn in rounds while the budget admits them, up to samples
     # producer/reading/tally.py's counts: valid (unique ids), invalid (duplicates included),
     # duplicates (of the invalid rows), filtered
     valid: int = 0
@@ -128,7 +131,7 @@ class DatasetCheck:
         if self.count == "total" and self.prompt_tokens is not None and self.prompt_tokens.mean:
             per_response += round(self.prompt_tokens.mean)  # prompt tokens count toward the budget too
         self.responses_needed = math.ceil(left / per_response)
-        available = max(0, self.unique - (self.done or 0))
+        available = max(0, self.unique * self.samples - (self.done or 0))
         self.runs_out = available < self.responses_needed
         responses = min(available, self.responses_needed)
         # Generated (completion) tokens: what the servers' tok/s is measured in.
@@ -148,13 +151,15 @@ class DatasetCheck:
 
 def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
     """Stream ``ds`` through the producer's reader and count what a run would see."""
-    out = DatasetCheck(ds.name, ds.path, ds.budget or 0, ds.mode, ds.count, ds.prior_mean)
+    out = DatasetCheck(ds.name, ds.path, ds.budget or 0, ds.mode, ds.count, ds.prior_mean, ds.answers_max,
+                       ds.samples == "auto")
     if ds.regenerate == "all":
         out.requests = Stats()
     started = time.perf_counter()
     tally = RowTally()
     try:
         for item in read_prompts(ds, cfg.server):
+            item = refuse_suffix(ds, item)  # as the producer does (samples > 1)
             tally.add(item)
             if isinstance(item, Prompt):
                 out.prompt_chars.add(prompt_chars(item.messages + (item.turns or [])))
@@ -347,13 +352,24 @@ def format_report(r: CheckReport) -> str:
             lines.append(f"  regenerate: all: requests per conversation: mean {rq.mean or 0:.2f}, min {rq.min}, "
                          f"max {rq.max} ({rq.total:,} in all; prompt chars count each user turn once, prompt tokens "
                          "are summed over the requests, before the model's answers join the context)")
-        so_far = f"; {format_tokens(d.used)} used and {d.done:,} prompts done already" if d.used is not None else ""
+        if d.auto:
+            per = d.responses_needed / d.unique if d.unique else 0.0
+            lines.append(f"  samples: auto (max_samples {d.samples}): the budget needs ~{per:,.2f} answers per prompt "
+                         f"at prior_mean_tokens ({math.ceil(per) if per else 0} rounds over {d.unique:,} prompts)"
+                         + (f"; the cap binds: {d.samples} answers a prompt end it short of its budget"
+                            if d.runs_out else ""))
+        elif d.samples > 1:
+            lines.append(f"  samples: {d.samples} answers per prompt: {d.unique * d.samples:,} answers from "
+                         f"{d.unique:,} prompts (ids <id>, <id>#2 ... <id>#{d.samples})")
+        done_what = "answers" if d.samples > 1 else "prompts"
+        so_far = f"; {format_tokens(d.used)} used and {d.done:,} {done_what} done already" if d.used is not None else ""
         lines.append(f"  budget {format_tokens(d.budget)} ({d.mode}, count {d.count}){so_far}: "
                      f"~{d.responses_needed:,} {'conversations' if d.requests else 'responses'} at "
                      f"prior_mean_tokens {d.prior_mean_tokens:,}")
         if d.runs_out:
-            lines.append(f"  RUNS OUT of prompts before its budget: {max(0, d.unique - (d.done or 0)):,} left, "
-                         f"~{d.responses_needed:,} needed")
+            left_what = f"answers ({d.samples} a prompt)" if d.samples > 1 else "left"
+            lines.append(f"  RUNS OUT of prompts before its budget: {max(0, d.unique * d.samples - (d.done or 0)):,} "
+                         f"{left_what}, ~{d.responses_needed:,} needed")
         if d.est_s is not None:
             lines.append(f"  ~{format_tokens(d.expected_tokens)} tokens to generate: ~{_duration(d.est_s)} "
                          f"at {r.tok_s:,.0f} tok/s")

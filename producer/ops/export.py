@@ -54,6 +54,8 @@ SCHEMA = pa.schema([
                                           ("finish_reason", pa.string())]))),
     # features.vllm.single_pass: the engine's file of the row's hidden states (null otherwise)
     pa.field("hidden_states_file", pa.string()),
+    # samples: N: which answer of its prompt the row is (null with samples: 1; docs/datasets.md)
+    pa.field("sample", pa.int64()),
 ])
 
 

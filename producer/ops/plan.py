@@ -42,6 +42,9 @@ class PlanRow:
     bytes_per_token: int | None = None
     features_bytes: int | None = None
     disk_budget: int | None = None
+    # samples: auto: the file's prompts and max_samples (how many answers a prompt the budget needs)
+    prompts: int = 0
+    max_samples: int | None = None
 
     @property
     def runs_out(self) -> bool:
@@ -124,12 +127,13 @@ def make_plan(cfg: Config, tok_s: float | None = None, timeout_s: float = 3.0, n
         done = view["done"].get(ds.name, 0)
         committed, sum_tokens = view["stats"].get(ds.name, (0, 0))
         mean = sum_tokens / committed if committed >= 20 else float(ds.prior_mean)
-        available = max(0, chk.valid - done)  # valid: unique ids (producer/reading/tally.py)
+        # valid: unique ids (producer/reading/tally.py); samples: N answers each, done counts answers
+        available = max(0, chk.valid * ds.answers_max - done)
         can = used + int(available * mean)
         cap = can if ds.budget is None else min(ds.budget, can)
         claims.append(Claim(ds.name, settings.weight(ds.name), floor=used, cap=cap))
         rows.append(PlanRow(ds.name, settings.weight(ds.name), ds.budget, ds.budget or 0, used, mean, available, 0,
-                            None))
+                            None, prompts=chk.valid, max_samples=ds.max_samples if ds.samples == "auto" else None))
     totals = []
     note = None
     if settings.total_budget is not None:
@@ -213,6 +217,11 @@ def format_plan(p: Plan) -> str:
     for row in table:
         lines.append("  ".join(str(c).ljust(w) if i in (0, 7) else str(c).rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+    for r in p.rows:
+        if r.max_samples and r.prompts:  # answers done + needed, over the prompts: the rounds its budget takes
+            per = (r.max_samples * r.prompts - r.available + r.needed) / r.prompts
+            lines.append(f"{r.name}: samples: auto: ~{per:,.2f} answers per prompt at mean {r.mean:,.0f}"
+                         + (f"; the cap binds (max_samples {r.max_samples})" if r.runs_out else ""))
     if p.note:
         lines.append(p.note)
     lines += _format_disk(p)

@@ -30,7 +30,7 @@ from budgetq.producer.reading.row_count import count_rows
 from budgetq.producer.run.budget_loop import BudgetLoop
 from budgetq.producer.run.collector import Collector
 from budgetq.producer.run.disk_guard import OutputGuard, is_disk_fault, output_error, preflight
-from budgetq.producer.run.feed import Feed, recorded_invalid
+from budgetq.producer.run.feed import Answer, Feed, answers, recorded_invalid, refuse_suffix
 from budgetq.producer.run.hooks import make_capture
 from budgetq.producer.run.id_rule import record_id_field, settle_id_field
 from budgetq.producer.run.meta import check_and_write_meta
@@ -58,10 +58,11 @@ JOB_FUNC = "budgetq.worker.job.run_prompt"  # by name: producer never imports wo
 _LIVE = {b"queued", b"started", b"scheduled", b"deferred", b"failed", b"canceled"}
 
 
-def _payload(ds: DatasetConfig, p: Prompt, engine_dir: str | None = None) -> dict:
+def _payload(ds: DatasetConfig, a: Answer, engine_dir: str | None = None) -> dict:
     """``engine_dir``: features.vllm.single_pass, a capture: features dataset (one request a row only)."""
-    return JobPayload(id=p.id, dataset=ds.name, messages=p.messages, input_ids=p.input_ids,
-                      prompt_tokens=p.prompt_tokens, sampling=ds.sampling,
+    p = a.prompt
+    return JobPayload(id=a.id, dataset=ds.name, messages=p.messages, input_ids=p.input_ids,
+                      prompt_tokens=p.prompt_tokens, sampling=a.sampling(ds), sample=a.sample,
                       chat_template_kwargs=ds.chat_template_kwargs or None, thinking=ds.thinking, turns=p.turns,
                       hidden_states_dir=engine_dir if p.turns is None else None,
                       ).model_dump(mode="json", exclude_none=True)
@@ -130,7 +131,8 @@ class Producer:
             self.conn.hdel(conf, Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED)
         else:
             self.conn.hset(conf, mapping={Conf.SOURCE_ROWS: count.rows, Conf.SOURCE_ESTIMATED: int(not count.exact)})
-        self.conn.hset(conf, Conf.SOURCE_LIMIT, "" if ds.limit is None else ds.limit)
+        self.conn.hset(conf, mapping={Conf.SOURCE_LIMIT: "" if ds.limit is None else ds.limit,
+                                      Conf.SAMPLES: ds.answers_max})  # the ledger counts answers
 
     def _record_invalid(self, f: Feed, bad: Invalid) -> None:
         """Count a bad row, and write it down unless an earlier run already did (same line, same reason)."""
@@ -165,22 +167,29 @@ class Producer:
             return
         room = self.cfg.high_water - f.queue.count
         while len(f.pending) < room and not f.ended:
+            broke = False
             try:
                 item = next(f.rows, None)
             except Exception as exc:  # noqa: BLE001 - the source itself broke: end this dataset only
                 log.error("dataset %s: reading %s stopped: %s: %s", f.ds.name, f.ds.path, type(exc).__name__, exc)
                 self._record_invalid(f, Invalid(0, f"reading stopped: {type(exc).__name__}: {exc}"))
-                item = None
+                item, broke = None, True
             if item is None:
-                f.ended = True
+                # samples: auto: every prompt once more (feed.py next_round), or the end
+                f.ended = broke or not f.next_round(self.cfg.server, self.conn)
+                continue
+            if f.round > 1:  # samples: auto, a later round: the rows were tallied in round 1
+                if isinstance(item, Prompt) and refuse_suffix(f.ds, item) is item:
+                    f.pending.extend(answers(f.ds, item, f.round))
                 continue
             f.read += 1
+            item = refuse_suffix(f.ds, item)  # samples > 1: an id like an answer id is an invalid row
             if isinstance(item, Invalid):
                 self._record_invalid(f, item)
             else:
                 f.tally.add(item)
                 if isinstance(item, Prompt):
-                    f.pending.append(item)
+                    f.pending.extend(answers(f.ds, item, f.round))
         if f.ended:  # status: done, no ETA; every row is read, so their count is exact now
             self.conn.hset(keys.conf_key(f.ds.name), mapping={Conf.SOURCE_ENDED: "1", Conf.SOURCE_ROWS: f.read,
                                                                Conf.SOURCE_ESTIMATED: "0"})
@@ -192,12 +201,12 @@ class Producer:
             self._enqueue(f, f.pending)
             f.pending = []
 
-    def _job_ids(self, f: Feed, p: Prompt) -> list[str]:
+    def _job_ids(self, f: Feed, p: Answer) -> list[str]:
         """The job ids this prompt may have in Redis: today's, and the old scheme's if it was in use."""
         new = job_id(f.ds.name, p.id)
         return [new, legacy_job_id(f.ds.name, p.id)] if f.legacy else [new]
 
-    def _known(self, f: Feed, batch: list[Prompt]) -> list[str | None]:
+    def _known(self, f: Feed, batch: list[Answer]) -> list[str | None]:
         """Per prompt: 'done', 'live' (queued, running, failed or skipped-and-kept), or None (new)."""
         ids = [self._job_ids(f, p) for p in batch]
         flat = [j for js in ids for j in js]
@@ -222,7 +231,7 @@ class Producer:
             out.append(state)
         return out
 
-    def _enqueue(self, f: Feed, batch: list[Prompt]) -> None:
+    def _enqueue(self, f: Feed, batch: list[Answer]) -> None:
         data: dict[str, EnqueueData] = {}
         states = self._known(f, batch)
         engine_dir = self.cfg.features.engine_dir(f.ds.name) if f.ds.capture == "features" else None
