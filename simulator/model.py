@@ -25,6 +25,7 @@ from collections import deque
 from budgetq.simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 from budgetq.simulator.prefix_cache import PrefixCache
 from budgetq.simulator.settings import SimSettings
+from budgetq.simulator.texts import Script
 
 __all__ = ["DONE", "Engine", "RequestRecord", "SimSettings"]
 
@@ -38,7 +39,7 @@ class RequestRecord:
     __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
                  "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
                  "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived",
-                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens")
+                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens", "script", "shape", "loop_onset")
 
     def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
                  endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
@@ -68,6 +69,9 @@ class RequestRecord:
         self.client_gone = False
         self.sampling: dict | None = None  # the effective sampling parameters (chat: after defaults)
         self.cached_tokens = 0             # prompt tokens found in the prefix cache: no prefill for them
+        self.script: Script | None = None  # the words it writes (simulator/texts.py); set by the runner
+        self.shape = "normal"              # normal | loop | empty | unclosed (texts.Shape)
+        self.loop_onset: int | None = None # loop: the tokens before its cycle starts
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "endpoint": self.endpoint, "arrived": self.arrived, "admitted": self.admitted,
@@ -75,7 +79,8 @@ class RequestRecord:
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
                 "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone,
-                "cached_tokens": self.cached_tokens}
+                "cached_tokens": self.cached_tokens, "shape": self.shape,
+                "loop_onset": self.loop_onset}
 
 
 class Engine:

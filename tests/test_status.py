@@ -80,7 +80,7 @@ def _seed(conn) -> float:
 def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     now = _seed(conn)
     snap = snapshot(conn, redis_url, ["http://gpu-a:30000", "http://gpu-c:30000"], history_s=600)
-    assert snap["schema"] == 4 and snap["history_s"] == 600
+    assert snap["schema"] == 5 and snap["history_s"] == 600
     assert abs(snap["generated_at"] - now) < 60
     a1, b2 = snap["datasets"]
     assert (a1["dataset"], a1["budget"], a1["used"], a1["in_flight"]) == ("A1", 10_000, 800, 1)

@@ -12,6 +12,7 @@ HTTP client lives on the worker side, which the producer never imports.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import time
@@ -32,6 +33,7 @@ from budgetq.shared.errors import BudgetqError, ConfigError
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import connect_once, describe
 from budgetq.shared.server_kind import SGLANG_MODEL
+from budgetq.shared.stats import Stat
 from budgetq.shared.tokens import format_tokens
 
 # "row 12: field 'prompt' is empty" and "field 'prompt' is empty" are one reason; so are
@@ -102,6 +104,8 @@ class DatasetCheck:
     # From Redis, if a run already started: tokens counted and prompts done.
     used: int | None = None
     done: int | None = None
+    discarded: int = 0   # of the done prompts, those that ended discarded (guard or gate)
+    quality: str = ""    # the guard, gates, retry_discarded and budget_counts, in one line (quality_line)
     error: str | None = None
     # Derived by finish():
     unique: int = 0   # = valid (kept for readers of --json from before valid meant unique ids)
@@ -149,6 +153,7 @@ class DatasetCheck:
 def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
     """Stream ``ds`` through the producer's reader and count what a run would see."""
     out = DatasetCheck(ds.name, ds.path, ds.budget or 0, ds.mode, ds.count, ds.prior_mean)
+    out.quality = quality_line(ds)
     if ds.regenerate == "all":
         out.requests = Stats()
     started = time.perf_counter()
@@ -199,6 +204,7 @@ def check_redis(cfg: Config, datasets: list[DatasetCheck], timeout_s: float) -> 
                 used = conn.get(keys.used_key(d.name))
                 d.used = int(used) if used is not None else None
                 d.done = int(conn.scard(keys.done_key(d.name))) if used is not None else None
+                d.discarded = int(conn.hget(keys.stats_key(d.name), Stat.DISCARDED) or 0) if used is not None else 0
         finally:
             conn.close()
     except (redis.RedisError, ValueError) as exc:  # ValueError: a URL redis-py cannot parse
@@ -329,6 +335,25 @@ def _stats(s: Stats) -> str:
     return f"mean {s.mean:,.0f}, min {s.min:,}, max {s.max:,}" if s.count else "none"
 
 
+def quality_line(ds: DatasetConfig) -> str:
+    """What the worker will discard, and what the budget counts (docs/datasets.md "Guard and gates").
+    A validator whose module is not importable here is said so: the workers, where it runs, need it."""
+    g = ds.guard
+    guard = (f"loops of 1-{g.max_period_tokens} tokens cut once they span {g.min_span_tokens} tokens and "
+             f"{g.min_repeats} repeats" if g.enabled else "off")
+    gates = [n for n in ("empty", "unclosed_reasoning", "think_tags") if getattr(ds.gates, n)]
+    if ds.gates.validator:
+        module = ds.gates.validator.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        gates.append(f"validator {ds.gates.validator}" + ("" if found else
+                                                          f" ({module} is not importable here: the workers need it)"))
+    return (f"guard: {guard}; gates: {', '.join(gates) or 'none'}; retry_discarded {ds.retry_discarded}; "
+            f"budget counts {ds.budget_counts} tokens")
+
+
 def format_report(r: CheckReport) -> str:
     lines: list[str] = []
     for d in r.datasets:
@@ -342,12 +367,16 @@ def format_report(r: CheckReport) -> str:
             lines.append(f"    invalid: {n:,} x {d.first_reason[key]} (first at {d.position} {d.first_at[key]})")
         tokens = _stats(d.prompt_tokens) if d.prompt_tokens else "not counted (no server.tokenizer)"
         lines.append(f"  prompt chars: {_stats(d.prompt_chars)}; prompt tokens: {tokens}")
+        if d.quality:
+            lines.append(f"  {d.quality}")
         if d.requests is not None:
             rq = d.requests
             lines.append(f"  regenerate: all: requests per conversation: mean {rq.mean or 0:.2f}, min {rq.min}, "
                          f"max {rq.max} ({rq.total:,} in all; prompt chars count each user turn once, prompt tokens "
                          "are summed over the requests, before the model's answers join the context)")
-        so_far = f"; {format_tokens(d.used)} used and {d.done:,} prompts done already" if d.used is not None else ""
+        discarded = f" ({d.discarded:,} of them discarded by the guard or a gate)" if d.discarded else ""
+        so_far = (f"; {format_tokens(d.used)} used and {d.done:,} prompts done already{discarded}"
+                  if d.used is not None else "")
         lines.append(f"  budget {format_tokens(d.budget)} ({d.mode}, count {d.count}){so_far}: "
                      f"~{d.responses_needed:,} {'conversations' if d.requests else 'responses'} at "
                      f"prior_mean_tokens {d.prior_mean_tokens:,}")

@@ -31,15 +31,28 @@ log = logging.getLogger("budgetq.reconcile")
 BATCH = 500
 
 
+# adopt.lua's markers for a row that ends its prompt without counting.
+TRUNCATED, DISCARDED = -1, -2
+
+
+def _final(row: dict, kind: str) -> bool:
+    """Whether the row ends its prompt: every row does but a discarded attempt that was sent again."""
+    return kind != "discarded" or not (isinstance(row.get("discard"), dict) and row["discard"].get("retried"))
+
+
 def _counted(ds: DatasetConfig, row: dict, kind: str) -> int:
     if kind == "truncated":
-        return -1  # kept aside: done, not counted
+        return TRUNCATED  # kept aside: done, not counted
+    if kind == "discarded":
+        return DISCARDED  # refused by the guard or a gate: done, not counted
     completion = int(row.get("completion_tokens", 0))
     return completion + int(row.get("prompt_tokens", 0)) if ds.count == "total" else completion
 
 
 def rows_on_disk(out_dir: Path, ds: DatasetConfig) -> Iterator[tuple[str, int, int]]:
-    """(prompt id, counted or -1, completion tokens) for every readable row of the dataset's output files."""
+    """(prompt id, counted or TRUNCATED / DISCARDED, completion tokens) for every readable row of the
+    dataset's output files that ends its prompt (a discarded attempt sent again does not: left out).
+    Rows first, so a prompt with a row is a row whatever else the files hold."""
     for kind, path in output_paths(out_dir, ds.name).items():
         if not path.exists():
             continue
@@ -47,7 +60,8 @@ def rows_on_disk(out_dir: Path, ds: DatasetConfig) -> Iterator[tuple[str, int, i
             for line_no, line in enumerate(fh, start=1):
                 try:
                     row = json.loads(line)
-                    yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
+                    if _final(row, kind):
+                        yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
                 except (ValueError, KeyError, TypeError) as exc:
                     log.warning("%s:%d: unreadable row skipped: %s", path, line_no, exc)
 
@@ -57,6 +71,8 @@ def _rows_in_stream(conn: redis.Redis, ds: DatasetConfig) -> Iterator[tuple[str,
     for _eid, fields in stream_entries(conn.xrange(keys.results_key(ds.name), min=f"({cursor}")):
         row = json.loads(fields[b"row"])
         kind = fields.get(b"kind", b"row").decode()
+        if not _final(row, kind):
+            continue
         yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
 
 
@@ -118,8 +134,13 @@ def reconcile(conn: redis.Redis, cfg: Config, ds: DatasetConfig, rebuild: bool =
         budget.register_dataset(conn, ds)
     used_before = int(conn.get(keys.used_key(ds.name)) or 0)
     done_before = conn.scard(keys.done_key(ds.name))
-    disk = {j: (c, n) for j, c, n in rows_on_disk(cfg.output_dir, ds)}
-    stream = {j: (c, n) for j, c, n in _rows_in_stream(conn, ds) if j not in disk}
+    disk: dict[str, tuple[int, int]] = {}
+    for j, c, n in rows_on_disk(cfg.output_dir, ds):
+        disk.setdefault(j, (c, n))   # the first file's: a row before a discarded line of the same prompt
+    stream: dict[str, tuple[int, int]] = {}
+    for j, c, n in _rows_in_stream(conn, ds):
+        if j not in disk:
+            stream.setdefault(j, (c, n))
     everything = {**disk, **stream}
     expected = sum(c for c, _n in everything.values() if c >= 0)
     legacy = id_scheme(conn, ds.name) == SCHEME_MIGRATED
@@ -136,7 +157,8 @@ def reconcile(conn: redis.Redis, cfg: Config, ds: DatasetConfig, rebuild: bool =
         pipe.set(keys.used_key(ds.name), expected)
         pipe.hset(keys.stats_key(ds.name), mapping={
             "committed": sum(1 for c, _n in everything.values() if c >= 0),
-            "truncated": sum(1 for c, _n in everything.values() if c < 0),
+            "truncated": sum(1 for c, _n in everything.values() if c == TRUNCATED),
+            "discarded": sum(1 for c, _n in everything.values() if c == DISCARDED),
             "sum_tokens": expected, "sum_completion": sum(n for _c, n in everything.values())})
         pipe.execute()
     used_after = int(conn.get(keys.used_key(ds.name)) or 0)
