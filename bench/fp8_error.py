@@ -9,7 +9,10 @@ float32 as the reference, then stored as bf16 (round to nearest even) and as fp8
 from the bf16 bytes, as the store does, then read back). Per block: the relative error ||x' - x|| / ||x|| over
 all values and the per-token cosine (mean and min); and the
 target model's next-token choice, the argmax of lm_head over the stored last layer: how often fp8's and bf16's
-agree with float32's, and with each other.
+agree with float32's, and with each other. Last, the encoding itself on these real values, stored as the store
+does (the aux layers as one ``[tokens, 3 x hidden]`` block, all texts' tokens in one call, so across several of
+quantize's chunks): how many codes differ from torch's float8_e4m3fn cast of ``x * (448 / amax)`` and how many
+tokens are encoded unlike themselves alone (both 0 since issue 38; before, tokens past the first chunk differed).
 """
 
 from __future__ import annotations
@@ -57,6 +60,34 @@ def as_fp8(x: np.ndarray) -> np.ndarray:
     tokens, hidden = x.shape
     codes, scales = fp8.quantize(fp8.f32_to_bf16(x).tobytes(), tokens, 1, hidden)
     return fp8.dequantize(codes, scales, tokens, 1, hidden)
+
+
+def exactness(blocks: dict[str, list[np.ndarray]]) -> list[list[str]]:
+    """Per stored block (aux layers as one block, as the shard holds them): codes unlike torch's cast, tokens
+    unlike themselves alone, and how many of quantize's chunks the call spanned."""
+    import torch
+
+    aux = [k for k in blocks if k.startswith("aux")]
+    stored = {"aux layers (one block)": np.concatenate([np.concatenate(blocks[k]) for k in aux], axis=1),
+              "target": np.concatenate(blocks["target (last, normed)"])} if aux else {}
+    hidden = blocks["target (last, normed)"][0].shape[1]
+    rows = []
+    for name, x in stored.items():
+        tokens, width = x.shape
+        layers = width // hidden
+        bits = fp8.f32_to_bf16(x)
+        codes, scales = fp8.quantize(bits.tobytes(), tokens, layers, hidden)
+        ours = np.frombuffer(codes, np.uint8).reshape(tokens, width)
+        xs = torch.from_numpy(fp8.bf16_to_f32(bits.tobytes(), (tokens, layers, hidden)).copy())
+        amax = xs.abs().amax(dim=-1, keepdim=True)
+        theirs = (xs * (torch.full_like(amax, 448.0) / amax)).to(torch.float8_e4m3fn).view(torch.uint8)
+        unlike_torch = int((ours != theirs.reshape(tokens, width).numpy()).sum())
+        unlike_alone = sum(fp8.quantize(bits[t].tobytes(), 1, layers, hidden) != (ours[t].tobytes(), np.frombuffer(
+            scales, "<f4").reshape(tokens, layers)[t].tobytes()) for t in range(tokens))
+        chunks = -(-tokens // max(1, fp8.CHUNK_VALUES // width))
+        rows.append([name, f"{tokens} x {width}", str(chunks), f"{unlike_torch} / {ours.size}",
+                     f"{unlike_alone} / {tokens}"])
+    return rows
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -119,6 +150,9 @@ def main(argv: list[str]) -> int:
     print()
     print(c.md_table(["next token (argmax of lm_head over the stored last layer)", "ratio agreeing", "tokens"],
                      agree))
+    print()
+    print(c.md_table(["encoded (all texts in one call)", "tokens x values", "chunks", "codes unlike torch's cast",
+                      "tokens unlike themselves alone"], exactness({k: d["ref"] for k, d in per.items()})))
     return 0
 
 

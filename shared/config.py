@@ -79,6 +79,15 @@ class ServerConfig(Strict):
         return self
 
 
+def greedy_reason(sp: SamplingParams) -> str:
+    """What in ``sp`` makes decoding greedy (every answer the same), or "" when it samples."""
+    if sp.temperature == 0:
+        return "temperature 0"
+    if sp.top_k == 1:
+        return "top_k 1"
+    return ""
+
+
 class DatasetConfig(Strict):
     name: str
     # A file (JSONL, JSON array, Parquet), a `datasets.save_to_disk` directory, or
@@ -118,6 +127,9 @@ class DatasetConfig(Strict):
     # state was written with (producer/run/id_rule.py).
     id_field: str | None = "id"
     limit: int | None = Field(default=None, gt=0)   # at most this many valid prompts
+    # Independent answers per prompt (docs/datasets.md "Samples per prompt"): the first keeps the
+    # prompt's id, the k-th is `<id>#<k>`, each with its own seed, row and share of the budget.
+    samples: int = Field(default=1, ge=1, le=1000)
     shuffle: bool = False
     shuffle_seed: int = 0
     min_prompt_chars: int | None = Field(default=None, ge=0)   # filter: shorter prompts are skipped
@@ -203,6 +215,11 @@ class DatasetConfig(Strict):
                              f"conversations_field (got {', '.join(fields)})")
         if not fields:
             self.prompt_field = "prompt"
+        greedy = greedy_reason(self.sampling)
+        if self.samples > 1 and greedy:
+            raise ValueError(f"dataset {self.name}: samples: {self.samples} with {greedy} (greedy decoding) "
+                             f"writes {self.samples} identical answers per prompt: raise the temperature or "
+                             "set samples: 1")
         if self.min_prompt_chars is not None and self.max_prompt_chars is not None \
                 and self.min_prompt_chars > self.max_prompt_chars:
             raise ValueError(f"dataset {self.name}: min_prompt_chars {self.min_prompt_chars} > "
@@ -248,6 +265,9 @@ class ProducerConfig(Strict):
     # `off` in YAML is False: taken as "off" (and on/yes/true as "auto").
     progress: Annotated[Literal["auto", "bars", "log", "off"], yaml_bools("off", "auto")] = "auto"
     progress_interval_s: float = Field(default=10.0, gt=0)
+    # Write the run report (<output_dir>/report.html, `budgetq report`) as produce ends, complete or not.
+    # Drawing it takes seconds (matplotlib); false skips it, `budgetq report` draws it at any time.
+    report: bool = True
     # How long RQ keeps a finished job (its hash, finished-registry entry and result), as RQ's
     # own result_ttl: rq-dashboard shows finished jobs this long. 0 deletes a job as it
     # finishes (what RQ's worker does with result_ttl=0), a third less Redis CPU per prompt at

@@ -198,6 +198,9 @@ def capacity_key(url: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Set of dataset names whose features queue a features worker polls.
 FEATURES_DATASETS = f"{PREFIX}:features:datasets"
+# Set of the run's dataset names that share features.max_bytes (hidden_states/collect/byte_budget.py): a
+# pass over some of them counts what the others wrote and holds their shares.
+FEATURES_BUDGET_DATASETS = f"{PREFIX}:features:budget_datasets"
 
 
 def features_name(ds: str) -> str:

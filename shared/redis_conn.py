@@ -1,6 +1,8 @@
 """Redis connections with the project's settings, made in one place; waiting for Redis; its errors in one line.
 
-Timeouts (any of them can be overridden in the URL, e.g. ``redis://host:6379/0?socket_timeout=30``):
+Timeouts (any of them can be overridden in the URL, e.g. ``redis://host:6379/0?socket_timeout=30``; on a
+``redis+sentinel://`` URL, which redis-py never parses, they apply to the master's connections and to the
+sentinels', and any other option in its query is refused in one line):
 
 - ``socket_connect_timeout`` 5 s: a host that drops SYNs (firewall) fails in 5 s.
 - ``socket_timeout`` 10 s: a server that accepts but never answers (hung, SIGSTOPped,
@@ -81,6 +83,7 @@ def check_url(url: str) -> None:
     shown = redact_url(url)
     if url.startswith(SENTINEL_SCHEME + "://"):
         parse_sentinel(url)
+        _timeouts(url)  # its query (timeouts only, numbers above 0): one line now, not at the first connection
         return
     try:
         parts = urlsplit(url)
@@ -153,12 +156,29 @@ def parse_sentinel(url: str) -> SentinelUrl:
 
 
 def _timeouts(url: str) -> dict[str, Any]:
-    query = parse_qs(url.split("?", 1)[1] if "?" in url else "")
-    kw: dict[str, Any] = {}
-    if "socket_connect_timeout" not in query:
-        kw["socket_connect_timeout"] = CONNECT_TIMEOUT_S
-    if "socket_timeout" not in query:
-        kw["socket_timeout"] = SOCKET_TIMEOUT_S
+    sentinel = url.startswith(SENTINEL_SCHEME + "://")
+    # blank values kept on a sentinel URL only: redis-py's from_url ignores a blank one (so do we there)
+    query = parse_qs(url.split("?", 1)[1] if "?" in url else "", keep_blank_values=sentinel)
+    kw: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": SOCKET_TIMEOUT_S}
+    if not sentinel:
+        # redis-py's from_url reads these from the URL itself
+        return {k: v for k, v in kw.items() if k not in query}
+    # A sentinel URL never reaches from_url: its timeouts go to the master's (and the sentinels') connections
+    # here, and anything else in its query would be dropped without a word: refused instead.
+    from budgetq.shared.logs import redact_url
+
+    for name, values in query.items():
+        if name not in kw:
+            raise ConfigError(f"redis_url {redact_url(url)!r}: {name!r} is not an option of a redis+sentinel:// "
+                              f"URL (it takes socket_timeout and socket_connect_timeout, in seconds)")
+        try:
+            seconds = float(values[-1])
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds < float("inf"):
+            raise ConfigError(f"redis_url {redact_url(url)!r}: {name} must be a number of seconds above 0 "
+                              f"(got {values[-1]!r})")
+        kw[name] = seconds
     return kw
 
 

@@ -12,6 +12,7 @@ import redis
 
 from budgetq.shared.logs import forget_secrets
 from budgetq.simulator.local import LocalRedis, LocalSim
+from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 - hooks (CI=true: no skips)
 from tests.vllm_server import START_TIMEOUT_S, prestart, run_dir, shared_server, stop_shared
 
 ROOT = Path(__file__).resolve().parent.parent

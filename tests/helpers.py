@@ -58,6 +58,8 @@ def three_datasets(tmp_path: Path) -> list[dict]:
 def write_config(tmp_path: Path, redis_url: str, sims: str | list[str], datasets: list[dict], **extra) -> Path:
     """``tmp_path/cfg.yaml``; ``sims`` is one simulator URL or several; ``extra`` adds top-level sections."""
     sims = [sims] if isinstance(sims, str) else sims
+    # The run report takes seconds to draw at each produce's end: only the tests that read it ask for it.
+    extra["producer"] = {"report": False, **extra.get("producer", {})}
     cfg = {"redis_url": redis_url, "server": {"urls": sims, **extra.pop("server", {})},
            "output_dir": str(tmp_path / "out"), "datasets": datasets, **extra}
     path = tmp_path / "cfg.yaml"

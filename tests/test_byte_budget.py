@@ -1,6 +1,7 @@
 """Disk as a budget for hidden states: features.max_bytes split across the datasets by weight (water-filled
 as the token budgets are), bytes per token from the model's config, bytes written counted once in Redis, and
-a real `budgetq features` pass whose datasets stop capturing at their shares."""
+a real `budgetq features` pass whose datasets stop capturing at their shares; and one features.max_bytes for
+the run, whatever the passes (one after the other, at once, a dataset done before another starts)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import subprocess
 import pytest
 import yaml
 
+from budgetq.hidden_states.collect.features_pass import SAMPLE_HEADER_BYTES
 from budgetq.hidden_states.store.shards import features_dir, index_rows
 from budgetq.producer.run.allocation import byte_shares
 from budgetq.shared import features_bytes, keys
 from budgetq.shared.config_load import load_config
 from budgetq.shared.scripts import run
-from tests.helpers import PY, ROOT
+from tests.helpers import PY, ROOT, Procs
 from tests.test_features import HIDDEN, features_config, run_features, run_features_with_a_worker, write_rows
 
 
@@ -143,3 +145,115 @@ def test_plan_shows_bytes_per_token_what_the_budgets_take_and_the_disk_budgets(t
     text = format_plan(p)
     assert "chat: 4,613 bytes/token" in text and "disk budget 3.50 GB" in text
     assert "7168        57,349" in text
+
+
+def _cfg(tmp_path, names_weights, max_bytes="8000"):
+    raw = {"redis_url": "redis://127.0.0.1:1/0", "server": {"urls": ["http://127.0.0.1:9"]},
+           "features": {"max_bytes": max_bytes},
+           "datasets": [{"name": n, "path": str(tmp_path / "a.jsonl"), "budget": "1k", "weight": w}
+                        for n, w in names_weights]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    return load_config(tmp_path / "c.yaml")
+
+
+def test_a_pass_over_some_datasets_splits_only_what_the_run_has_left(tmp_path, conn):
+    """One features.max_bytes for the run: a pass over A holds B's weighted share (B has not started), counts
+    what B wrote (another pass, another process: Redis), and gets the rest once B is done."""
+    from budgetq.hidden_states.collect.byte_budget import ByteBudget
+
+    cfg = _cfg(tmp_path, [("A", 1), ("B", 3)])
+    a = ByteBudget(cfg, conn, ["A"])
+    a.sync("A", 0, 0, opening=True)
+    a.resplit({"A": 0}, set())
+    assert a.shares == {"A": 2000}, "B has not started: its weighted share is held for it"
+    assert conn.hget(keys.features_bytes_key("A"), "share") == b"2000"
+    b = ByteBudget(cfg, conn, ["B"])       # a second pass (a process of its own in production)
+    b.sync("B", 6500, 10, opening=True)   # B wrote past its weighted share: A's share shrinks by as much
+    a.resplit({"A": 0}, set())
+    assert a.shares == {"A": 1500}
+    b.resplit({"B": 6500}, set())
+    assert b.shares == {"B": 6500} and sum(a.shares.values()) + 6500 == 8000
+    b.sync("B", 1000, 10)                 # (reopened with less on disk) then done: it keeps what it wrote
+    b.resplit({"B": 1000}, {"B"})
+    assert conn.hget(keys.features_bytes_key("B"), "done") == b"1"
+    a.resplit({"A": 0}, set())
+    assert a.shares == {"A": 7000}, "a done dataset keeps what it wrote, the rest is A's"
+    # a dataset this config never names, registered by another pass of the run, is held its share too
+    conn.sadd(keys.FEATURES_BUDGET_DATASETS, "C")
+    conn.hset(keys.features_bytes_key("C"), mapping={"written": 0, "weight": 4})
+    a.resplit({"A": 0}, set())
+    assert a.shares == {"A": 7000 // 5}
+
+
+def _disk(root, name) -> int:
+    d = features_dir(root, name)
+    return sum(p.stat().st_size for p in d.glob("*.safetensors")) if d.is_dir() else 0
+
+
+def _largest_sample(root, names) -> int:
+    """The largest sample's bytes on disk (its tensors, ids and mask; its part of the shard header)."""
+    biggest = 0
+    for name in names:
+        d = features_dir(root, name)
+        rows = index_rows(d / "index.jsonl") if (d / "index.jsonl").exists() else []
+        for r in rows:
+            n = r["shape"][0]
+            biggest = max(biggest, n * (2 * r["shape"][1] + 5) + SAMPLE_HEADER_BYTES)
+    return biggest
+
+
+def test_passes_one_after_the_other_share_one_max_bytes(tmp_path, redis_url, conn, sim_factory):
+    """`features --dataset A` then `features --dataset B`: together within features.max_bytes (+ a sample), not
+    max_bytes each; A's share is 2000 (B's 6000 held for it), B's what A left."""
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg, root = _two_datasets(tmp_path, redis_url, sim, store=False)
+    write_rows(tmp_path / "out", "A", 40)
+    write_rows(tmp_path / "out", "B", 60)
+    res = run_features_with_a_worker(cfg, tmp_path, "--dataset", "A")
+    assert res.returncode == 1 and "dataset A: disk budget reached: its share is 2000 bytes" in res.stderr, res.stderr
+    a = _disk(root, "A")
+    res = run_features_with_a_worker(cfg, tmp_path, "--dataset", "B")
+    assert res.returncode == 1 and "dataset B: disk budget reached" in res.stderr, res.stderr
+    b = _disk(root, "B")
+    seen = features_bytes.read(conn, ["A", "B"])
+    assert seen["B"]["max_bytes"] == 8000 - max(a, 2000), "B splits what A left, not the whole max_bytes"
+    assert 0 < a and b > a
+    assert a + b <= 8000 + _largest_sample(root, ["A", "B"]), (a, b)
+
+
+def test_a_done_dataset_leaves_the_rest_to_a_later_pass(tmp_path, redis_url, conn, sim_factory):
+    """`features -d A` captures all of A's rows under its share: A is done (Redis says so), and a later
+    `features -d B` gets max_bytes less what A wrote, not B's weighted share."""
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg, root = _two_datasets(tmp_path, redis_url, sim, store=False)
+    write_rows(tmp_path / "out", "A", 1)     # all captured (~1.3 KB), under its 2000: done
+    write_rows(tmp_path / "out", "B", 60)
+    res = run_features_with_a_worker(cfg, tmp_path, "--dataset", "A")
+    assert res.returncode == 0, res.stdout + res.stderr
+    a = _disk(root, "A")
+    assert 0 < a < 2000 and conn.hget(keys.features_bytes_key("A"), "done") == b"1"
+    res = run_features_with_a_worker(cfg, tmp_path, "--dataset", "B")
+    assert res.returncode == 1, res.stderr
+    assert features_bytes.read(conn, ["B"])["B"]["max_bytes"] == 8000 - a
+    assert a + _disk(root, "B") <= 8000 + _largest_sample(root, ["A", "B"])
+
+
+def test_two_passes_at_once_share_one_max_bytes(tmp_path, redis_url, conn, sim_factory):
+    """`features --dataset A` and `features --dataset B` running at the same time (two processes)."""
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg, root = _two_datasets(tmp_path, redis_url, sim, store=False)
+    write_rows(tmp_path / "out", "A", 60)
+    write_rows(tmp_path / "out", "B", 60)
+    procs = Procs(cfg, tmp_path)
+    try:
+        procs.start("features-worker")
+        passes = [subprocess.Popen([*PY, "features", "-c", str(cfg), "--dataset", n], cwd=ROOT, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in ("A", "B")]
+        outs = [p.communicate(timeout=120) for p in passes]
+    finally:
+        procs.stop_all()
+    for p, (_out, err) in zip(passes, outs, strict=True):
+        assert p.returncode == 1 and "disk budget reached" in err, err
+    a, b = _disk(root, "A"), _disk(root, "B")
+    assert a > 0 and b > a
+    assert a + b <= 8000 + _largest_sample(root, ["A", "B"]), (a, b)

@@ -201,9 +201,9 @@ def test_store_repairs_a_crash_between_shard_write_and_index(tmp_path):
     store.flush()
     index = features_dir(tmp_path, "A") / "index.jsonl"
     index.write_text("".join(index.read_text().splitlines(keepends=True)[:1]) + '{"id": "p1", "tor')  # torn
-    (features_dir(tmp_path, "A") / "000009.safetensors.tmp").write_bytes(b"half a shard")
+    # (a kill after a shard's .tmp is written, before its rename: tests/test_store_faults.py kills a pass there)
     again = FeatureStore(tmp_path, "A", shard_bytes=10**9)
-    assert again.recovered.reindexed == 2 and again.recovered.tmp_removed == 1
+    assert again.recovered.reindexed == 2
     assert sorted(r["id"] for r in index_rows(index)) == ["p0", "p1", "p2"]
     assert not again.add(*_meta("p2", 6)), "an id on disk is never written twice"
     header, _ = read_header(features_dir(tmp_path, "A") / "000000.safetensors")

@@ -72,6 +72,7 @@ def test_quick_start_demo_runs_as_written():
     assert wasted <= 0.10 * used, proc.stdout
     # the workers are stopped quietly: nothing after the summary but where the outputs are
     assert proc.stdout.rstrip().splitlines()[-1].startswith("outputs in "), proc.stdout[-2000:]
+    assert proc.stdout.rstrip().endswith("report.html"), proc.stdout[-2000:]  # the run in pictures
     assert "SIGTERM" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 

@@ -122,7 +122,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("dataset", nargs="*")
     sp.add_argument("--output-dir", help=OUTPUT_DIR_HELP)
     sp.add_argument("--rebuild", action="store_true",
-                    help="set used and the done set to exactly what the files say (else: only add what is missing)")
-    sp.add_argument("--force", action="store_true", help="run even with requests in flight")
+                    help="also set the stats to what the files say and forget done ids without a row (without it: "
+                         "adopt missing rows and set used to the files)")
+    sp.add_argument("--force", action="store_true",
+                    help="run even with requests in flight (reconcile reads again while commits change the counters)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_reconcile)

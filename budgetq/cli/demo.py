@@ -102,7 +102,10 @@ def run_demo(redis_url: str | None, workers: int = 2, concurrency: int = 32,
         rc = subprocess.call([*py, "produce", "-c", str(cfg_path)], env=env)
         _stop_quietly(procs, logs)
         procs = []
-        print(f"outputs in {out} (the workers' logs: {', '.join(p.name for p in logs)})")
+        # The last line ends with the run report `produce` wrote (the run in pictures, one HTML file).
+        report = out / "report.html"
+        where = f"; the run in pictures: {report}" if report.exists() else ""
+        print(f"outputs in {out} (the workers' logs: {', '.join(p.name for p in logs)}){where}")
         return rc
     finally:
         _stop_quietly(procs, logs)

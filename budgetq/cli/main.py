@@ -28,6 +28,7 @@ from budgetq.cli import features as cli_features
 from budgetq.cli import init as cli_init
 from budgetq.cli import ops as cli_ops
 from budgetq.cli import plan as cli_plan
+from budgetq.cli import report as cli_report
 from budgetq.cli import sim as cli_sim
 from budgetq.cli.common import (
     LOG_LEVELS,
@@ -156,12 +157,22 @@ def cmd_produce(args: argparse.Namespace) -> int:
         log.info("monitor on http://%s:%d", cfg.monitor.host, port)
     # --json: stdout holds the one JSON object; bars (producer.progress: bars) go to stderr.
     progress = ProgressReporter(cfg, producer.conn, stream=sys.stderr if args.json else None)
+    from budgetq.producer.ops.report_log import RunLog
+
+    run_log = RunLog(cfg, producer.conn)  # out/run-log.jsonl: what `budgetq report` draws over time
+    run_log.start()
+
+    def on_tick(_p: object) -> None:
+        progress.update()
+        run_log.tick()
+
     try:
-        report = producer.run(on_tick=lambda _p: progress.update())
+        report = producer.run(on_tick=on_tick)
     finally:
         progress.close()
         if monitor is not None:
             monitor.stop()
+    run_log.end(report)
     signal.setitimer(signal.ITIMER_REAL, 0)
     rows = report["datasets"]
     # Complete: every dataset at an end (shared/ends.py); with capture: features, a stop also
@@ -179,6 +190,10 @@ def cmd_produce(args: argparse.Namespace) -> int:
             capture = cli_features.print_capture(producer.capture, finished=report["complete"])
     else:
         capture = cli_features.print_capture(producer.capture, finished=report["complete"])
+    # The run report (budgetq report), at every end, complete or not: its path is the last line.
+    report_path = cli_report.write_at_end(cfg, producer.conn) if cfg.producer.report else None
+    if report_path is not None:
+        print(f"report: {report_path}", file=sys.stderr if args.json else sys.stdout)
     return status or capture
 
 
@@ -296,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_ops.register(sub)
     cli_data.register(sub)
     cli_plan.register(sub)  # budgetq plan
+    cli_report.register(sub)  # budgetq report
     cli_features.register(sub)  # hidden states
     cli_init.register(sub)
     return p

@@ -19,6 +19,7 @@ result already in the stream is recognised by id and written once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -35,7 +36,8 @@ from budgetq.hidden_states.capture.backends import HttpBackend, features_server,
 from budgetq.hidden_states.capture.captured import CaptureBackend, Captured
 from budgetq.hidden_states.capture.decode import HiddenStatesError
 from budgetq.hidden_states.schema import FeaturesMeta, FeaturesPayload
-from budgetq.hidden_states.store.shards import WORKER_CRASH_ENV, features_dir, features_root, write_sample_shard
+from budgetq.hidden_states.store import fault_points
+from budgetq.hidden_states.store.shards import features_dir, features_root, write_sample_shard
 from budgetq.shared import jobs, keys
 from budgetq.shared.config import Config
 from budgetq.shared.config_load import load_config
@@ -52,9 +54,41 @@ log = logging.getLogger("budgetq.features")
 MB = 2**20
 # Longest wait between polls of idle queues (a claim round trip per dataset each time).
 IDLE_POLL_S = 0.1
+# A features.store write failing with one of these (a full or flaky volume) is tried again, STORE_WRITE_TRIES
+# times in all, STORE_RETRY_S apart, doubling; then the job goes back to its queue and this worker claims nothing
+# for STORE_PAUSE_S (doubling up to STORE_PAUSE_MAX_S while the fault lasts). Others (EACCES, EROFS ...) are
+# not a passing state of the volume: they fail the job, saying so.
+STORE_TRANSIENT = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ESTALE, errno.EAGAIN, errno.EINTR,
+                             errno.ETIMEDOUT, errno.EBUSY, errno.ENOMEM, errno.ECONNRESET, errno.EHOSTDOWN})
+STORE_WRITE_TRIES, STORE_RETRY_S, STORE_PAUSE_S, STORE_PAUSE_MAX_S = 4, 0.5, 5.0, 120.0
 
 
-__all__ = ["FeaturesWorker", "features_server", "run_features_job"]
+__all__ = ["FeaturesWorker", "StoreHealth", "features_server", "run_features_job"]
+
+
+class StoreHealth:
+    """features.store's write failures as the operator sees them: one line when writes start failing (not one a
+    retry: a full volume would print thousands), one when a job is handed back and claims pause (FeaturesWorker),
+    and an info line once a write succeeds again."""
+
+    def __init__(self) -> None:
+        self.failing_since: float | None = None   # time.monotonic() of the first failure since the last success
+        self.failures = 0
+
+    def failed(self, payload: FeaturesPayload, exc: OSError) -> None:
+        self.failures += 1
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+            log.warning("features.store: writing the shard of %s/%s failed: %s; each write is tried %d times, then "
+                        "its job goes back to its queue (no further line until the store takes a write again)",
+                        payload.dataset, payload.id, exc, STORE_WRITE_TRIES)
+
+    def ok(self) -> None:
+        if self.failing_since is not None:
+            log.info("features.store takes writes again: %d failed writes over %.1f s, each retried", self.failures,
+                     time.monotonic() - self.failing_since)
+            self.failing_since = None
+            self.failures = 0
 
 
 @dataclass
@@ -84,6 +118,9 @@ class FeaturesWorker:
         self.memory_waits = 0      # jobs that waited for features.worker_max_mb
         self.peak_held_jobs = 0    # most jobs holding response bytes at once
         self._paused: set[str] = set()
+        self.store_pause_s = 0.0           # the last pause after features.store writes kept failing (0: none)
+        self.store_paused_until = 0.0      # time.monotonic() before which nothing is claimed
+        self.store_health = StoreHealth()
         self.stopping = asyncio.Event()
         self.wake = asyncio.Event()
 
@@ -116,7 +153,9 @@ class FeaturesWorker:
         idle = 0
         while not self.stopping.is_set():
             got = 0
-            if len(self.held) < self.concurrency and (not self.held or self.held_bytes < self.f.worker_max_mb * MB):
+            store_ok = time.monotonic() >= self.store_paused_until
+            if store_ok and len(self.held) < self.concurrency and (
+                    not self.held or self.held_bytes < self.f.worker_max_mb * MB):
                 try:
                     for ds in await self._claimable():
                         if len(self.held) >= self.concurrency:
@@ -177,12 +216,17 @@ class FeaturesWorker:
                 return
             self._hold(h, got.nbytes)
             try:
-                await deliver(self.aconn, self.cfg, payload, got)
-            except OSError as exc:  # features.store full or unreachable: this job fails, saying so
+                await deliver(self.aconn, self.cfg, payload, got, self.store_health)
+            except OSError as exc:
                 got.remove_raw_files()
-                log.warning("features job %s failed: %s", h.claimed.job_id, exc)
+                if exc.errno in STORE_TRANSIENT:  # still full / unreachable after the retries: back to its queue
+                    self._store_fault(h, exc)
+                    await self._requeue(h, name)
+                    return
+                log.warning("features job %s failed: %s", h.claimed.job_id, exc)   # EACCES, EROFS ...
                 await self._finish(h, jobs.JobEnd.failed(f"writing the shard to features.store failed: {exc}"))
                 return
+            self.store_pause_s = 0.0
             shape, single = got.shape, got.payload is not None
             del got
             # A kill here leaves the entry in the stream and the job started: its lease lapses, it
@@ -206,6 +250,17 @@ class FeaturesWorker:
             self._hold(h, 0)
             self.held.pop(h.claimed.member, None)
             self.wake.set()
+
+    def _store_fault(self, h: _Held, exc: OSError) -> None:
+        """features.store failed every try of a job's write: the job goes back to its queue and this worker claims
+        nothing for a while (doubling while the fault lasts), so a full or lost volume costs one line a pause (the
+        other jobs in flight that fail meanwhile go back silently)."""
+        if time.monotonic() < self.store_paused_until:
+            return
+        self.store_pause_s = min(STORE_PAUSE_MAX_S, max(STORE_PAUSE_S, 2 * self.store_pause_s))
+        self.store_paused_until = time.monotonic() + self.store_pause_s
+        log.error("features worker %s: features.store write failed %d times (%s): job %s handed back, no claims "
+                  "for %.0f s", self.name, STORE_WRITE_TRIES, exc, h.claimed.job_id, self.store_pause_s)
 
     async def _finish(self, h: _Held, end: jobs.JobEnd) -> bool:
         """Whether this worker's lease still held the job (its ending counts)."""
@@ -275,10 +330,13 @@ class FeaturesWorker:
         return 0
 
 
-async def deliver(conn: Any, cfg: Config, payload: FeaturesPayload, got: Captured) -> None:
+async def deliver(conn: Any, cfg: Config, payload: FeaturesPayload, got: Captured,
+                  health: StoreHealth | None = None) -> None:
     """The sample to the collector. Without features.store: its bytes through the results stream. With it: its
     shard written in the store (tmp, fsync, rename), the engine's raw files removed, then an index message (a
-    kill between the rename and the message leaves a shard the collector indexes, or removes as a second copy)."""
+    kill between the rename and the message leaves a shard the collector indexes, or removes as a second copy).
+    A write failing with a STORE_TRANSIENT error is tried again (each try a fresh name, the failed one's .tmp
+    removed), STORE_WRITE_TRIES times in all; then the OSError is raised (the worker hands the job back)."""
     stored = got.payload or payload
     meta = FeaturesMeta(**stored.model_dump(exclude={"engine_file"}), shape=got.shape, endpoint=got.endpoint,
                         aux_shape=got.aux_shape, from_generation=got.payload is not None)
@@ -286,10 +344,21 @@ async def deliver(conn: Any, cfg: Config, payload: FeaturesPayload, got: Capture
         await xadd_result(conn, meta, got)
         return
     d = features_dir(features_root(cfg), payload.dataset)
-    meta.shard, meta.shard_bytes = await asyncio.to_thread(write_sample_shard, d, meta, got.data, got.aux)
+    health = health or StoreHealth()
+    for attempt in range(1, STORE_WRITE_TRIES + 1):
+        try:
+            meta.shard, meta.shard_bytes = await asyncio.to_thread(write_sample_shard, d, meta, got.data, got.aux)
+            break
+        except OSError as exc:  # the failed write removed its .tmp (write_atomic)
+            if exc.errno not in STORE_TRANSIENT:
+                raise
+            health.failed(payload, exc)
+            if attempt == STORE_WRITE_TRIES:
+                raise
+            await asyncio.sleep(STORE_RETRY_S * 2 ** (attempt - 1))
+    health.ok()
     got.remove_raw_files()
-    if os.environ.get(WORKER_CRASH_ENV):  # tests: killed between the shard's rename and its index message
-        os.kill(os.getpid(), signal.SIGKILL)
+    fault_points.reached(fault_points.BEFORE_INDEX_MESSAGE)   # tests: the shard renamed, no index message
     await conn.xadd(keys.features_results_key(payload.dataset), {"id": payload.id, "meta": meta.model_dump_json()})
 
 

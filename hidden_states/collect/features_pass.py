@@ -11,8 +11,7 @@ each dataset it:
   then marks them done and deletes their stream entries (in that order: a crash in between
   leaves entries whose ids the store recognises and drops);
 - requeues jobs whose lease lapsed (a features worker died);
-- exits once every row is captured, failed (reported) or refused by the disk guard.
-Restart-safe at any point: run it again and it continues.
+- exits once every row is captured, failed (reported) or refused by the disk guard. Restart-safe.
 """
 
 from __future__ import annotations
@@ -93,8 +92,7 @@ class FeaturesPass:
                               "model's chat template to find the answer's tokens (the loss mask)")
         self.cfg = cfg
         self.conn = conn
-        # follow: rows committed while the pass runs are captured too (run it beside `budgetq produce`);
-        # it then ends on SIGINT/SIGTERM only.
+        # follow: rows committed while the pass runs are captured too (beside `produce`); ends on SIGINT/SIGTERM only.
         self.follow = follow
         self._unfollow = threading.Event()  # end_follow(): read the files to their end once more, then finish
         self.tokenizer = load_tokenizer(cfg.server.tokenizer)
@@ -126,8 +124,7 @@ class FeaturesPass:
             self.conn.sadd(keys.features_done_key(ds), *ids[i:i + 1000])
 
     def end_follow(self) -> None:
-        """Stop following (thread-safe): every row there will be is on disk (generation is complete), so
-        the pass reads each file to its end once more and then ends as a pass without --follow does."""
+        """Stop following (thread-safe): every row is on disk; read each file to its end once more, then end."""
         self._unfollow.set()
 
     def _stop_following(self) -> None:
@@ -170,6 +167,9 @@ class FeaturesPass:
                 p.store.sweep_leftovers()
                 self._mark_done(p.ds.name, sorted(p.store.ids))
                 self.bytes.sync(p.ds.name, p.store.bytes_on_disk, p.store.tokens_on_disk)
+        if finished:  # Redis learns which datasets are done (the other passes' get what they left)
+            self.bytes.resplit({p.ds.name: p.store.bytes_on_disk for p in self.passes},
+                               {p.ds.name for p in self.passes if p.rows_done and not p.outstanding})
         rep = self._report()
         self.release()
         return rep
@@ -335,6 +335,8 @@ class FeaturesPass:
             self.guard.learn(meta.shape[0], meta.shard_bytes or 0)
         elif verdict == "duplicate":
             p.duplicates += 1  # a retried job's second copy (its shard is deleted)
+        elif verdict == "refused":  # a shard name no worker makes (adopt said so): the job runs again
+            p.outstanding.update({} if p.store.has(meta.id) else {meta.id: len(meta.input_ids)})
         else:
             log.error("features %s: %s announced shard %s, which is not in %s: its job runs again", p.ds.name,
                       meta.id, meta.shard, p.store.dir)

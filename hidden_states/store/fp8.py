@@ -7,12 +7,15 @@ saturates. The shard holds the codes (safetensors ``F8_E4M3``, what torch calls 
 ``<name>_scale`` tensor (``F32`` ``[tokens, layers]``); readers multiply back (``dequantize``) and the
 ``specforge-offline`` export writes bf16, what SpecForge's loader reads.
 
-numpy has neither bfloat16 nor float8, so both ways go through tables. Encoding scales a few tokens at a time
-(in cache), in place, as float32, and looks the code up by the top 16 bits of each float32 (its bfloat16
-truncation): the table holds, for each such pattern, the e4m3fn value nearest the middle of the float32 values
-sharing it. Every e4m3fn tie point is a bfloat16 value, so this is round-to-nearest exactly, except that a
-value lying exactly on a tie rounds up in magnitude where ties-to-even may round down (tests/test_fp8.py
-checks against torch's float8_e4m3fn cast). Decoding is a 256-entry table.
+numpy has neither bfloat16 nor float8, so both ways go through tables. Encoding widens a few tokens at a time
+(in cache) to float32, multiplies them by ``448 / amax`` into a scratch of its own (so the widening buffer's low
+halves stay zero and no token's bits reach the next chunk: each token's codes and scale depend on that token
+alone) and looks each code up by the top 16 bits of the float32 product. Every e4m3fn tie point is a bfloat16
+value, so a product strictly between two bfloat16 values has one nearest code (table ``ENCODE``, made from the
+middle of the float32s sharing those top bits) and one whose low 16 bits are zero is that bfloat16 value
+exactly (table ``EXACT``: ties to even). Codes are therefore exactly torch's ``float8_e4m3fn`` cast of
+``x * (448 / amax)`` in float32, sign of zero included (tests/test_fp8.py and tests/test_fp8_chunks.py check
+it, across chunks, at hidden 576, 4096 and 7168). Decoding is a 256-entry table.
 """
 
 from __future__ import annotations
@@ -39,13 +42,13 @@ def _e4m3_values() -> np.ndarray:
 DECODE = _e4m3_values()
 
 
-def _encode_table() -> np.ndarray:
-    """e4m3fn code for every bfloat16 bit pattern (the top half of a float32): the nearest value to the middle of
-    the float32s beginning with it (ties to the even code); beyond 448 the largest finite value (the scale keeps
-    values within it)."""
+def _encode_table(low: int) -> np.ndarray:
+    """e4m3fn code for every bfloat16 bit pattern (the top half of a float32) completed by the low half ``low``:
+    the nearest value (ties to the even code); beyond 448 the largest finite value (the scale keeps values within
+    it). The sign is kept, as torch keeps it (a negative value that rounds to zero is 0x80)."""
     bits = np.arange(65536, dtype=np.uint32)
     with np.errstate(invalid="ignore"):
-        x = ((bits << np.uint32(16)) | np.uint32(0x8000)).view(np.float32).astype(np.float64)
+        x = ((bits << np.uint32(16)) | np.uint32(low)).view(np.float32).astype(np.float64)
     pos = DECODE[:0x7F].astype(np.float64)        # codes 0x00..0x7E: 0 .. 448, increasing
     mag = np.minimum(np.abs(np.nan_to_num(x, nan=0.0, posinf=FP8_MAX, neginf=FP8_MAX)), FP8_MAX)
     hi = np.clip(np.searchsorted(pos, mag, side="left"), 0, 0x7E)
@@ -53,11 +56,11 @@ def _encode_table() -> np.ndarray:
     d_lo, d_hi = mag - pos[lo], pos[hi] - mag
     pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
     code = np.where(pick_hi, hi, lo).astype(np.uint8)
-    neg = (bits & 0x8000) != 0
-    return np.where(neg & (code != 0), code | 0x80, code).astype(np.uint8)
+    return np.where((bits & 0x8000) != 0, code | 0x80, code).astype(np.uint8)
 
 
-ENCODE = _encode_table()
+ENCODE = _encode_table(0x8000)   # a float32 strictly between two bfloat16 values (no tie lies in there)
+EXACT = _encode_table(0)         # a float32 that is a bfloat16 value: the tie points round to even here
 
 
 def bf16_to_f32(data: bytes | memoryview, shape: tuple[int, ...]) -> np.ndarray:
@@ -74,19 +77,33 @@ def quantize(data: bytes | memoryview, tokens: int, layers: int, hidden: int) ->
     """bf16 ``[tokens, layers x hidden]`` -> (e4m3fn codes, same shape; float32 scales ``[tokens, layers]``)."""
     src = np.frombuffer(data, dtype="<u2").reshape(tokens, layers, hidden)
     codes = np.empty((tokens, layers, hidden), dtype=np.uint8)
+    flat = codes.reshape(-1)
     scales = np.empty((tokens, layers, 1), dtype="<f4")
     rows = max(1, CHUNK_VALUES // (layers * hidden))
-    buf = np.zeros((rows, layers, 2 * hidden), dtype="<u2")   # float32s whose low halves stay 0
+    # The bf16 values widened to float32: only the top halves are ever written, the low halves stay 0.
+    wide = np.zeros((rows, layers, 2 * hidden), dtype="<u2")
+    prod = np.empty((rows, layers, hidden), dtype="<f4")   # x * 448 / amax: its own buffer, never ``wide``
+    exact = np.empty((rows, layers, hidden), dtype=bool)
     for i in range(0, tokens, rows):
         part = src[i:i + rows]
-        b = buf[:len(part)]
+        n = len(part)
+        b = wide[:n]
         b[..., 1::2] = part
         x = b.view("<f4")
         amax = np.maximum(x.max(axis=2, keepdims=True), -x.min(axis=2, keepdims=True))
         amax[amax == 0] = FP8_MAX   # a row of zeros: scale 1
-        np.multiply(x, np.float32(FP8_MAX) / amax, out=x)
-        np.take(ENCODE, b[..., 1::2], out=codes[i:i + rows])
-        scales[i:i + rows] = amax / np.float32(FP8_MAX)
+        y = prod[:n]
+        np.multiply(x, np.float32(FP8_MAX) / amax, out=y)
+        halves = y.view("<u2")
+        np.take(ENCODE, halves[..., 1::2], out=codes[i:i + n])
+        # Products that are a bfloat16 value exactly (low half 0): rare but for rows whose scale is short
+        # (448 / amax a power of two ...); they may lie on a tie, where ENCODE rounds away from zero.
+        e = exact[:n]
+        np.equal(halves[..., 0::2], 0, out=e)
+        at = np.flatnonzero(e)
+        if at.size:
+            flat[i * layers * hidden + at] = EXACT[y.view("<u4").reshape(-1)[at] >> np.uint32(16)]
+        scales[i:i + n] = amax / np.float32(FP8_MAX)
     return codes.tobytes(), scales.reshape(tokens, layers).tobytes()
 
 

@@ -16,6 +16,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from budgetq.hidden_states.store import fault_points
+
 # fp8: float8_e4m3fn codes (store/fp8.py), with a float32 scale tensor beside them
 DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "int32": "I32", "int64": "I64", "uint8": "U8",
           "fp8": "F8_E4M3"}
@@ -37,7 +39,8 @@ class Tensor:
 
 def write_atomic(path: Path, tensors: list[Tensor], metadata: dict[str, str], tmp: Path | None = None) -> int:
     """Write a shard as ``path`` all at once: tmp file, fsync, rename, fsync of the directory.
-    A crash leaves either no file or the whole file (and maybe a ``.tmp`` the next open removes).
+    A crash leaves either no file or the whole file (and maybe a ``.tmp`` the next open removes); a write that
+    fails (OSError) removes its ``.tmp`` before raising.
     ``tmp``: where the file is written before its rename (default ``path`` + ``.tmp``; same filesystem)."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -52,14 +55,24 @@ def write_atomic(path: Path, tensors: list[Tensor], metadata: dict[str, str], tm
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = tmp or path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        for t in tensors:
-            fh.write(t.data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)))
+            fh.write(raw)
+            for t in tensors:
+                fh.write(t.data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        fault_points.reached(fault_points.SHARD_TMP_WRITTEN)
+        os.replace(tmp, path)
+    except BaseException:
+        # A failed write (ENOSPC, EIO, a stale NFS handle) leaves no .tmp behind to fill the disk further.
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+    fault_points.reached(fault_points.SHARD_RENAMED)
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

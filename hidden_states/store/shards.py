@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from budgetq.hidden_states.schema import FeaturesMeta
-from budgetq.hidden_states.store import fp8
+from budgetq.hidden_states.store import fault_points, fp8
 from budgetq.hidden_states.store.safetensors_io import (
     DTYPES,
     ShardError,
@@ -53,11 +53,16 @@ log = logging.getLogger("budgetq.features")
 FORMAT = "budgetq-features-1"
 SHARD_SUFFIX = ".safetensors"
 # Set (tests only): SIGKILL this process between a shard's rename and its index rows (the collector); the
-# second, a features worker between its shard's rename and its index message (features.store).
-CRASH_ENV = "BUDGETQ_FEATURES_CRASH_AFTER_SHARD"
-WORKER_CRASH_ENV = "BUDGETQ_FEATURES_WORKER_CRASH_AFTER_SHARD"
+# second, a features worker between its shard's rename and its index message (features.store). Older names of
+# two of store/fault_points.py's points.
+CRASH_ENV = fault_points.LEGACY[fault_points.BEFORE_INDEX_ROWS]
+WORKER_CRASH_ENV = fault_points.LEGACY[fault_points.BEFORE_INDEX_MESSAGE]
 INCOMING = "incoming"      # in a features directory: files being written (worker shards' tmp, vLLM's files)
 WORKER_PREFIX = "w-"       # shards a features worker wrote (one sample each)
+# The only shard names an index message may carry: what write_sample_shard makes. The name comes from Redis,
+# and adopt deletes a second copy by it: anything else (a slash, "..", an absolute path, other characters) is
+# refused, so no message can make the collector touch a file outside the store.
+WORKER_SHARD_NAME = re.compile(r"w-[0-9a-f]{16}\.safetensors", re.ASCII)
 
 
 def features_root(cfg: Config) -> Path:
@@ -258,8 +263,14 @@ class FeatureStore:
     def adopt(self, meta: FeaturesMeta) -> str:
         """A worker's index message for shard ``meta.shard``: "new" (its row is appended at the next flush),
         "duplicate" (the id is indexed or adopted in another shard: this one is deleted; or it is this very
-        shard, announced again), or "missing" (no such shard: the job's sample is not on disk)."""
+        shard, announced again), "missing" (no such shard: the job's sample is not on disk), or "refused" (a shard
+        name no worker makes, logged in one line naming it: nothing is read, indexed or deleted by that name)."""
         assert meta.shard is not None
+        if not WORKER_SHARD_NAME.fullmatch(meta.shard):
+            log.error("features %s: index message for %s refused: shard name %r is not one a features worker "
+                      "writes (w-<16 hex>%s): nothing read or deleted by it", self.ds, meta.id, meta.shard,
+                      SHARD_SUFFIX)
+            return "refused"
         if self.has(meta.id):
             if self.where.get(meta.id) != meta.shard:
                 (self.dir / meta.shard).unlink(missing_ok=True)
@@ -308,8 +319,7 @@ class FeatureStore:
         if not rows:
             return []
         # A kill here: the shards are on disk, the index misses their rows; reconcile adds them.
-        if os.environ.get(CRASH_ENV):  # tests/test_features.py and test_features_store.py kill the pass here
-            os.kill(os.getpid(), signal.SIGKILL)
+        fault_points.reached(fault_points.BEFORE_INDEX_ROWS)
         self._append_index(rows)
         ids = [r["id"] for r in rows]
         self.ids.update(ids)

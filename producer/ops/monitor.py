@@ -2,7 +2,9 @@
 
 Routes: ``/`` (the page, producer/ops/static/monitor.html, plain JS polling the API),
 ``/api/status`` (shared.status.snapshot as JSON), ``/metrics`` (Prometheus text),
-``/healthz`` (200 "ok", no auth, reveals nothing: for container healthchecks).
+``/report`` (the run report, producer/ops/report.py, drawn when asked from the config's
+output_dir and this Redis; the page links to it), ``/healthz`` (200 "ok", no auth, reveals
+nothing: for container healthchecks).
 
 Run it on its own (``budgetq monitor``) or inside the producer: ``MonitorThread(cfg).start()``
 for a synchronous caller, or ``await start_monitor(cfg)`` inside an asyncio loop.
@@ -35,6 +37,8 @@ from budgetq.shared.status import configured_server_urls, snapshot
 log = logging.getLogger("budgetq.monitor")
 # Snapshots are shared by all viewers and scrapes within this window (one Redis read per window).
 CACHE_S = 0.5
+# The run report reads every row on disk: drawn at most this often, however many ask.
+REPORT_CACHE_S = 30.0
 _PUBLIC = {"/healthz"}
 
 
@@ -77,6 +81,8 @@ class Monitor:
         self._cached: tuple[float, dict[str, Any]] | None = None
         self._lock = asyncio.Lock()
         self._page = _page()
+        self._report_lock = asyncio.Lock()
+        self._report: tuple[float, bytes] | None = None
 
     async def snapshot(self) -> dict[str, Any]:
         async with self._lock:
@@ -119,13 +125,35 @@ class Monitor:
         body = metrics.render(await self.snapshot())
         return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
 
+    def _draw_report(self) -> bytes:
+        from budgetq.producer.ops.report import render
+        from budgetq.producer.ops.report_data import gather
+
+        return render(gather(self.cfg, self.conn, keep=True)).encode("utf-8")
+
+    async def report(self, _request: web.Request) -> web.Response:
+        """The run report as of now (a run still going says so on its first line); a directory this
+        monitor cannot read (a monitor on another host than the producer's) is one line, 404."""
+        from budgetq.shared.errors import BudgetqError
+
+        async with self._report_lock:
+            if self._report is None or time.monotonic() - self._report[0] > REPORT_CACHE_S:
+                try:
+                    self._report = (time.monotonic(), await asyncio.to_thread(self._draw_report))
+                except (BudgetqError, OSError, ModuleNotFoundError) as exc:
+                    return web.Response(status=404, text=f"no run report: {exc}\n",
+                                        headers={"Cache-Control": "no-store"})
+            return web.Response(body=self._report[1], content_type="text/html", charset="utf-8",
+                                headers={"Cache-Control": "no-store"})
+
     async def healthz(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth, self._errors])
         app.add_routes([web.get("/", self.index), web.get("/api/status", self.api_status),
-                        web.get("/metrics", self.metrics), web.get("/healthz", self.healthz)])
+                        web.get("/metrics", self.metrics), web.get("/report", self.report),
+                        web.get("/healthz", self.healthz)])
         return app
 
 

@@ -5,6 +5,8 @@
   proportion to their weights.
 - ``byte_shares``: the same split for disk: features.max_bytes over the datasets that capture hidden
   states, each held within [bytes written, its own features_max_bytes].
+- ``prompts_allow``: an upper estimate of what a dataset's prompts let it count in all, so a dataset
+  short of prompts gives its shortfall to the others early (before it runs out), never too much.
 - ``deadline_total``: how many tokens the budgets can count by a deadline, from the fleet's
   measured rate and how long the last responses take (``tail_s``).
 - ``RateMeter`` and ``Latencies``: the smoothed tok/s and the response-time quantile they need.
@@ -104,6 +106,36 @@ def byte_shares(total: int | None, weights: dict[str, float], caps: dict[str, in
         return {n: caps.get(n) for n in weights}
     shares = water_fill(total, [Claim(n, w, floor=written.get(n, 0), cap=caps.get(n)) for n, w in weights.items()])
     return {n: shares[n] for n in weights}
+
+
+# prompts_allow's margins: the measured mean is biased low while the long answers still run (short
+# ones finish first), so it is raised by BIAS; Z standard deviations of the sum cover the spread.
+ALLOW_BIAS = 1.15
+ALLOW_Z = 3.0
+
+
+def prompts_allow(used: int, reserved: int, in_flight: int, left: int, mean: float, sd: float,
+                  max_tokens: int | None) -> int:
+    """An upper estimate of the tokens a dataset can count in all, from what it counted, what is in
+    flight (``in_flight`` requests holding ``reserved``) and the ``left`` prompts not sent yet (queued,
+    skipped but reopenable, unread), each expected at ``mean`` (counted tokens per answer) +- ``sd``.
+
+    It is a cap in the split (``water_fill``): a short dataset keeps what it can spend and the rest
+    goes to the others from the start. It errs high on purpose: what it overstates reaches the
+    others later, when the dataset runs out and its cap becomes exactly what it used (a dataset that
+    had reached its share then reopens); what it understated would have let the others run past
+    their final shares, which cannot be taken back. ``max_tokens`` (None: unknown, e.g. count: total)
+    bounds each answer, so the estimate never exceeds what the prompts could possibly give.
+    """
+    n = max(0, in_flight) + max(0, left)
+    if n == 0:
+        return max(0, used)
+    m = max(1.0, mean) * ALLOW_BIAS
+    est = used + max(reserved, in_flight * m) + max(0, left) * m + ALLOW_Z * max(0.0, sd) * math.sqrt(n)
+    est += m  # one more answer: a crossing result lands past the estimate by up to one response
+    if max_tokens:
+        est = min(est, used + n * max_tokens)
+    return int(math.ceil(est))
 
 
 def deadline_total(counted: int, in_flight: int, rate_tok_s: float, now: float, deadline: float,

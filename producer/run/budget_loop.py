@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from budgetq.producer.run.allocation import Claim, Latencies, RateMeter, deadline_total, phase, water_fill
+from budgetq.producer.run.allocation import (
+    Claim,
+    Latencies,
+    RateMeter,
+    deadline_total,
+    phase,
+    prompts_allow,
+    water_fill,
+)
 from budgetq.shared import budget, keys, run_plan
 from budgetq.shared.config import Config, DatasetConfig
 from budgetq.shared.control import log_action
@@ -88,7 +96,7 @@ class _RowTail:
         return out
 
 
-def _changed_enough(old: int, new: int, st: budget.DatasetState) -> bool:
+def _changed_enough(old: int, new: int, st: budget.DatasetState, final: bool = False) -> bool:
     """A move worth writing (and logging): one that could change an admission soon.
 
     Far from its budget a dataset's room (limit - used - reserved) is large and a move of a few
@@ -96,11 +104,20 @@ def _changed_enough(old: int, new: int, st: budget.DatasetState) -> bool:
     end one response (max_tokens) or 0.5% of the budget, whichever is smaller. So a run makes
     tens to a few hundred moves per dataset (each pace step is one), not one per control
     interval; any move that stops or frees admissions is written.
+
+    ``final``: every dataset is complete (``BudgetLoop.settled``), so the shares are final and no
+    more moves are coming: a dataset that stopped below its final share reopens for any rise that
+    admits an answer (soft: above what it used; strict: room for max_tokens), so every soft share
+    ends in ``[share, share + max_tokens)``.
     """
     room = max(0, old - st.used - st.reserved)
+    step = max(1, min(st.max_tokens, max(old, new) // 200))
+    reached = st.used + st.max_tokens > old if st.mode == "strict" else st.used >= old
+    if reached and new > old and final:
+        return new > st.used if st.mode != "strict" else new - st.used >= st.max_tokens
     if (new <= st.used + st.reserved) != (old <= st.used + st.reserved):
         return True
-    return abs(new - old) >= max(1, min(st.max_tokens, max(old, new) // 200), room // 3)
+    return abs(new - old) >= max(step, room // 3)
 
 
 class BudgetLoop:
@@ -186,10 +203,10 @@ class BudgetLoop:
         self.settings = run_plan.read_settings(self.conn)
         if not self.settings.managed:
             return True
-        raised = self._recompute(time.time(), feeds)
+        raised = self._recompute(time.time(), feeds, final=True)
         return not any(f.halted and f.ds.name in raised for f in feeds)
 
-    def _recompute(self, now: float, feeds: Sequence[Feed]) -> set[str]:
+    def _recompute(self, now: float, feeds: Sequence[Feed], final: bool = False) -> set[str]:
         names = [f.ds.name for f in feeds]
         states = self._read(names)
         for rows in self._tails.values():
@@ -207,10 +224,11 @@ class BudgetLoop:
         if ph == "run" and deadline is not None and run_plan.drain_deadline(self.conn) == deadline:
             ph = "drain"  # once admissions stopped for this deadline, they stay stopped (tail_s moves)
         self._phase = ph
+        ledgers = read_ledgers(self.conn, names)
         claims = []
         for f in feeds:
             st, queued = states[f.ds.name]
-            claims.append(self._claim(f, st, queued))
+            claims.append(self._claim(f, st, queued, ledgers[f.ds.name]))
         in_flight = sum(st.reserved for st, _q in states.values())
         totals: list[tuple[int, str]] = []
         if self.settings.total_budget is not None:
@@ -237,10 +255,10 @@ class BudgetLoop:
             # dataset's own budget, until the fleet's rate is known.
             limits = {c.name: UNMEASURED if c.cap is None else c.cap for c in claims}
             reason = "deadline"
-        raised = self._write(limits, states, reason)
+        raised = self._write(limits, states, reason, final)
         if ph == "over":
             self._abort_at_deadline(states, deadline)
-        self._publish(now, states, limits, rate, tail, ph)
+        self._publish(now, states, ledgers, limits, rate, tail, ph)
         return raised
 
     def _paced(self, shares: dict[str, int], states: dict[str, Any], claims: list[Claim]) -> dict[str, int]:
@@ -277,29 +295,57 @@ class BudgetLoop:
             out[n] = min(shares[n], max(pace, st.used + st.reserved + int(mean // 2)))
         return out
 
-    def _claim(self, f: Feed, st: budget.DatasetState, queued: int) -> Claim:
+    def _claim(self, f: Feed, st: budget.DatasetState, queued: int, ledger: dict[str, Any]) -> Claim:
         ds: DatasetConfig = f.ds
-        floor = st.used + st.reserved
         cap = ds.budget
-        if f.complete:
-            cap = st.used if cap is None else min(cap, st.used)
-        elif f.ended and ds.regenerate == "last":  # (regenerate: all: requests per job vary; wait for the end)
-            # Every prompt is read: it can still spend what is in flight and queued. Counted at
-            # max_tokens each (in flight too: a ticket is only the expected length), so this
-            # never cuts the dataset itself short (a mean of the answers finished so far runs
-            # low); it only bounds what it keeps from the others, and its exact use is known,
-            # and the rest handed on, once it completes.
-            can = st.used + (st.in_flight + queued + len(f.pending)) * ds.max_tokens
+        can = self._prompts_allow(f, st, queued, ledger)
+        if can is not None:
             cap = can if cap is None else min(cap, can)
+        # The floor keeps what is admitted: counted and in flight. Not above the dataset's limit, though:
+        # a soft request's reservation grows as it runs (adjust.lua), past the limit near the end, and a
+        # floor that followed would raise the limit to let them all count, the share overshot by what
+        # was in flight; at the limit, the first to cross withdraws the others, as for any soft budget.
+        floor = min(st.used + st.reserved, max(st.used, st.limit))
         return Claim(ds.name, self.settings.weight(ds.name), floor=floor, cap=cap)
 
-    def _write(self, limits: dict[str, int], states: dict[str, Any], reason: str) -> set[str]:
-        """Write the limits that moved enough; returns the datasets whose limit rose."""
+    @staticmethod
+    def _prompts_allow(f: Feed, st: budget.DatasetState, queued: int, ledger: dict[str, Any]) -> int | None:
+        """What the dataset's prompts let it count in all; None while that is unknown.
+
+        Out of prompts (every row read, nothing queued, running or skipped): exactly what it used, so
+        the rest of its share goes to the others. A dataset that stopped at its budget is *not* out
+        of prompts: its skipped and unread prompts can still run, so when a short dataset leaves
+        more to share, its budget rises and it reopens (the producer requeues what it skipped).
+        While prompts are left and their number is known, an upper estimate (``prompts_allow``):
+        a short dataset's shortfall goes to the others early, before any of them reaches a share
+        it would later outgrow.
+        """
+        skipped = int(ledger.get("skipped") or 0)
+        if f.complete and f.ended and not f.pending and skipped == 0:
+            return st.used
+        if f.ds.regenerate != "last":  # (regenerate: all: requests per job vary; known once it completes)
+            return None
+        unread = ledger.get("unread")
+        if not f.ended and (unread is None or ledger.get("unread_estimated")):
+            return None  # a file whose size is not known yet, or a row limit: no estimate
+        left = queued + skipped + (len(f.pending) if f.ended else int(unread or 0))
+        answered = st.stats.get("committed", 0) + st.stats.get("truncated", 0)
+        mean = max(mean_counted(st), float(st.prior_mean or 1))
+        sd = 0.0
+        if answered:
+            m1 = st.stats.get("sum_completion", st.stats.get("sum_tokens", 0)) / answered
+            sd = max(0.0, st.stats.get("sum_sq_completion", 0) / answered - m1 * m1) ** 0.5
+        per = None if st.count == "total" else (st.max_tokens or None)  # total: prompt tokens count too
+        return prompts_allow(st.used, st.reserved, st.in_flight, left, mean, sd, per)
+
+    def _write(self, limits: dict[str, int], states: dict[str, Any], reason: str, final: bool = False) -> set[str]:
+        """Write the limits that moved enough (``final``: see ``_changed_enough``); returns the datasets whose
+        limit rose."""
         raised = set()
         for n, new in limits.items():
             st, _q = states[n]
             old = st.limit
-            if new == old or not _changed_enough(old, new, st):
+            if new == old or not _changed_enough(old, new, st, final):
                 continue
             self.conn.hset(keys.conf_key(n), Conf.LIMIT, new)
             log_action(self.conn, f"budget_{reason}", n, old, new, actor=_ACTORS[reason])
@@ -325,10 +371,9 @@ class BudgetLoop:
                      run_plan.format_when(deadline))
         self._warned_past = True
 
-    def _publish(self, now: float, states: dict[str, Any], limits: dict[str, int], rate: float | None,
-                 tail: float, ph: str) -> None:
+    def _publish(self, now: float, states: dict[str, Any], ledgers: dict[str, dict[str, Any]],
+                 limits: dict[str, int], rate: float | None, tail: float, ph: str) -> None:
         ds_out = {}
-        ledgers = read_ledgers(self.conn, list(states))
         deadline = self.settings.deadline
         for n, (st, queued) in states.items():
             limit = limits.get(n, st.limit)
