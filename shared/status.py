@@ -23,6 +23,8 @@ import redis
 from budgetq.shared import features_bytes, keys, presence, run_plan, server_faults, server_kind
 from budgetq.shared.budget import DatasetState, dataset_state
 from budgetq.shared.config import Config
+from budgetq.shared.durations import format_duration as format_duration  # re-exported: its old home
+from budgetq.shared.durations import format_eta as format_eta
 from budgetq.shared.ends import Stop, dataset_eta, prompts_left, stop_reason
 from budgetq.shared.ledger import is_settled, read_ledgers
 from budgetq.shared.logs import redact_url
@@ -56,7 +58,6 @@ TOKEN_FIELDS = {"sum_tokens": "counted", "generated_tokens": "generated", "waste
                 "kept_tokens": "kept", "truncated_tokens": "truncated", "discarded_tokens": "discarded"}
 
 
-
 def _num(v: Any, kind: type = int, default: Any = 0) -> Any:
     """A number from a Redis field written by another process; a missing or bad one -> default."""
     try:
@@ -72,28 +73,6 @@ def configured_server_urls(cfg: Config) -> list[str]:
     """The SGLang URLs to list even before a worker reports them: only if someone set them (the
     built-in default would show a server nobody runs)."""
     return cfg.server.urls if "server" in cfg.model_fields_set else []
-
-
-def format_duration(s: float | None) -> str:
-    """``42s``, ``3m05s``, ``2h07m``; ``-`` for unknown (an ETA with no rate yet)."""
-    if s is None:
-        return "-"
-    s = int(round(s))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-_ENDS_SAID = {"budget": "budget", "prompts": "out of prompts", "deadline": "deadline"}
-
-
-def format_eta(s: float | None, by: str | None) -> str:
-    """An ETA with the end it comes to: ``52s (out of prompts)``, ``3m05s (budget)``; ``-`` for none."""
-    if s is None:
-        return "-"
-    return f"{format_duration(s)} ({_ENDS_SAID.get(by or '', by)})" if by else format_duration(s)
 
 
 def server_now(conn: redis.Redis) -> float:

@@ -1,8 +1,7 @@
 """The simulated engine: a continuous-batching capacity model driven by events, and its accounting.
 
-Time model. Up to ``max_running_requests`` requests hold a slot; the rest wait in a FIFO queue.
-A request that gets a slot is first prefilled (one prefill pipeline shared by all, so TTFT grows
-with prompt length and with the prompts ahead of it), then decodes. With B requests decoding the
+Time model. Up to ``max_running_requests`` requests hold a slot; the rest wait in a FIFO queue. A slot's
+request is prefilled (one pipeline for all: TTFT grows with the prompts ahead of it), then decodes. With B requests decoding the
 aggregate rate is ``peak * B / (B + half_batch)`` tokens/s, so each one decodes at
 ``peak / (B + half_batch)``: the batch's throughput saturates while each request slows down.
 
@@ -10,8 +9,7 @@ Event-driven. Every decoding request advances at the same rate, so one number V(
 any decoding request has gained since time 0 -- describes them all. A request that starts decoding
 at V0 with a target of n tokens finishes when V reaches V0 + n: a heap keyed by that value orders
 the finishes. V is brought up to date only when something happens (arrival, prefill end, finish,
-abort), and a single loop timer sleeps until the next finish or prefill end. 512 concurrent
-requests cost O(log n) per event, not a wake-up per request every few milliseconds.
+abort), and one timer sleeps until the next finish or prefill end: O(log n) per event.
 """
 
 from __future__ import annotations
@@ -79,8 +77,7 @@ class RequestRecord:
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
                 "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone,
-                "cached_tokens": self.cached_tokens, "shape": self.shape,
-                "loop_onset": self.loop_onset}
+                "cached_tokens": self.cached_tokens, "shape": self.shape, "loop_onset": self.loop_onset}
 
 
 class Engine:

@@ -89,7 +89,9 @@ def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     assert a1["used_pct"] == 8.0 and a1["remaining"] == 9200 and a1["mean_tokens"] == 400.0
     assert a1["queued"] == 3 and a1["ledger"]["failed"] == 1 and a1["hold"] is None and "failed_registry" not in a1
     assert a1["counts"] == {**{f: 0 for f in COUNT_FIELDS}, "committed": 2, "skipped": 4, "invalid": 2}
-    assert a1["tokens"] == {"counted": 800, "generated": 900, "wasted": 100}
+    assert a1["tokens"] == {"counted": 800, "generated": 900, "wasted": 100, "kept": 800, "truncated": 0,
+                            "discarded": 0, "spent": 900}
+    assert a1["budget_counts"] == "kept" and a1["discarded_by_reason"] == {}
     # 600 tokens in the last minute (the bucket 120 s ago is outside the window)
     assert 600 / 66 <= a1["tok_s"] <= 600 / 60
     assert a1["eta_s"] == pytest.approx(9200 / a1["tok_s"], rel=0.01)

@@ -8,13 +8,16 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from budgetq.shared.jobs import Claimed, Skip
 from budgetq.shared.schema import JobPayload
 
-if TYPE_CHECKING:
-    from budgetq.worker.estimator import LengthModel
+
+class DecodeRate(Protocol):
+    """What ``Tracked.generated`` needs of worker/estimator.py's LengthModel (tracked.py stays a leaf)."""
+
+    def generated_so_far(self, elapsed_s: float) -> float: ...
 
 
 class Phase(enum.Enum):
@@ -72,7 +75,7 @@ class Tracked:
         self.admitted_at = time.monotonic()
         self.streamed = None
 
-    def generated(self, length: LengthModel, now: float | None = None) -> float:
+    def generated(self, length: DecodeRate, now: float | None = None) -> float:
         """Tokens its running request has made: what the stream said, else elapsed time x the decode rate.
 
         The stream's count is exact and current: the estimate is wrong in both directions (a request
