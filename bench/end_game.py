@@ -1,6 +1,6 @@
-"""Waste at the end of a soft budget: today's end game vs. the margin + /abort_request.
+"""Waste at the end of a soft budget: the end game's variants side by side, on the same prompts.
 
-    python bench/end_game.py [--smoke] [--speedup S] [--case NAME ...]
+    python bench/end_game.py [--smoke] [--speedup S] [--case NAME ...] [--variants elapsed,streamed]
 
 Each case runs twice, back to back, on one simulator that behaves like a GPU SGLang server:
 256 running requests, ~600 tok/s per request at 256 running (153.6k tok/s in all), a dropped
@@ -12,7 +12,11 @@ B2 profile (lognormal sigma 1.0, capped at 8,192), 2 worker processes:
   estimate from completed answers only; a request aborted at the crossing keeps generating
   until the server notices the disconnect);
 - ``after``: the defaults (``end_margin_z: 1.0``; running requests counted as censored
-  lengths; cancelled requests also aborted with ``POST /abort_request``).
+  lengths; cancelled requests also aborted with ``POST /abort_request``), answers not streamed;
+- ``elapsed`` / ``streamed`` (the default pair, issue 37): ``after`` with ``server.stream: false``
+  (each running request's tokens so far *estimated* as elapsed time x the decode rate) vs. ``true``
+  (its tokens so far as its stream says: SGLang's meta_info.completion_tokens; worker/tracked.py
+  ``Tracked.generated``). ``--variants before,after`` gives the earlier comparison.
 
 Printed per case and variant: used/budget and overshoot per dataset (worst), waste (tokens
 the simulator generated that no kept row holds, as a share of what it generated), the time
@@ -48,8 +52,12 @@ B2 = 3793
 # Ten datasets of different mean lengths (the two named in the seed, A1 and B2, among them).
 TEN = {"A1": 1577, "B2": 3793, "C1": 2210, "D1": 980, "E1": 2890, "F1": 1820, "G1": 3310, "H1": 1250,
        "I1": 2640, "J1": 4120}
-VARIANTS = {"before": {"end_margin_z": 0.0, "abort_on_cancel": False, "taper_estimate": "completed"},
-            "after": {"end_margin_z": 1.0, "abort_on_cancel": True, "taper_estimate": "censored"}}
+_AFTER = {"end_margin_z": 1.0, "abort_on_cancel": True, "taper_estimate": "censored"}
+VARIANTS = {"before": {"end_margin_z": 0.0, "abort_on_cancel": False, "taper_estimate": "completed", "stream": False},
+            "after": {**_AFTER, "stream": False},
+            "elapsed": {**_AFTER, "stream": False},
+            "streamed": {**_AFTER, "stream": True}}
+DEFAULT_VARIANTS = ["elapsed", "streamed"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,8 @@ def run_case(stack: c.Stack, sim: c.Sim, case: Case, variant: str, speedup: floa
         d["end_margin_z"] = VARIANTS[variant]["end_margin_z"]
         datasets.append(d)
     cfg = stack.config(sim.url, datasets, server={"urls": [sim.url],
-                                                  "abort_on_cancel": VARIANTS[variant]["abort_on_cancel"]},
+                                                  "abort_on_cancel": VARIANTS[variant]["abort_on_cancel"],
+                                                  "stream": VARIANTS[variant]["stream"]},
                        worker={"concurrency": case.per_worker, "control_interval_s": 0.1, "grace_s": 5,
                                "taper_estimate": VARIANTS[variant]["taper_estimate"]},
                        producer={"progress": "off"})
@@ -178,9 +187,16 @@ def main(argv: list[str]) -> None:
                     help="run each case's variants this many times, alternating (the machine is noisy)")
     ap.add_argument("--disconnect-poll-s", type=float, default=4.0,
                     help="simulated seconds before the server notices a dropped client (SGLang: 4)")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, run in this order per case: {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        ap.error(f"--variants {args.variants}: known are {', '.join(VARIANTS)}")
     cases = SMOKE if args.smoke else [k for k in CASES if not args.case or k.name in args.case]
-    c.print_header("End game: waste at the end of a soft budget, before vs. after", ["bench/end_game.py", *argv])
+    c.print_header(f"End game: waste at the end of a soft budget, {' vs. '.join(variants)}",
+                   ["bench/end_game.py", *argv])
     means = sorted({m for k in cases for m in k.datasets.values()})
     flags = ["--max-running-requests", str(RUNNING), "--peak-tok-s", str(PEAK), "--half-batch", str(HALF_BATCH),
              "--speedup", str(args.speedup), "--length-sigma", str(SIGMA), "--keep-records", "1000000"]
@@ -198,7 +214,7 @@ def main(argv: list[str]) -> None:
     try:
         for case in cases:
             for _ in range(args.repeat):
-                for variant in VARIANTS:
+                for variant in variants:
                     t0 = time.monotonic()
                     r = run_case(stack, sim, case, variant, args.speedup)
                     results.append(r)
@@ -212,7 +228,7 @@ def main(argv: list[str]) -> None:
     if args.repeat > 1:
         print("\nMedians over the repeats:\n")
         print(c.md_table(SUMMARY, [_summary(case.name, v, [r for r in results if (r.case, r.variant) ==
-                                                             (case.name, v)]) for case in cases for v in VARIANTS]))
+                                                             (case.name, v)]) for case in cases for v in variants]))
     print(f"\nbudgets: {', '.join(f'{k.name} {format_tokens(k.budget)} x {len(k.datasets)}' for k in cases)}")
 
 

@@ -8,6 +8,7 @@ or batched with others into one round trip).
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ class Outcome(enum.Enum):
     TRUNCATED = "TRUNCATED"
     DUPLICATE = "DUPLICATE"
     REJECTED = "REJECTED"
+    DISCARDED = "DISCARDED"   # refused by the guard or a gate: side file, prompt done
+    RETRY = "RETRY"           # refused, to be sent again (retry_discarded): ticket given back, not done
 
     @property
     def kept(self) -> bool:
@@ -81,16 +84,21 @@ def reserve(ds: str, job_id: str, max_tokens: int, prompt_tokens: int = 0,
 
 
 def commit(ds: str, job_id: str, prompt_tokens: int, completion_tokens: int, finish_reason: str,
-           row_json: str, lengths: list[int] | None = None) -> ScriptCall[Outcome]:
-    """Count a result once; the dataset's conf decides what counts (count, keep).
+           row_json: str, lengths: list[int] | None = None, discard: str | None = None,
+           retry: bool = False) -> ScriptCall[Outcome]:
+    """Count a result once; the dataset's conf decides what counts (count, keep, budget_counts).
 
     ``lengths``: each request's completion tokens when the result took several (regenerate:
-    all), so the length statistics stay per request.
+    all), so the length statistics stay per request. ``discard``: the reason the guard or a
+    quality gate refused the answer (it goes to out/<ds>.discarded.jsonl: DISCARDED); with
+    ``retry`` the prompt is sent again instead of ending there (RETRY: its ticket is given back).
     """
     several = ",".join(str(n) for n in lengths) if lengths is not None and len(lengths) > 1 else ""
     args: list[Any] = [keys.HIST_BINS, keys.RATE_BUCKET_S, keys.RATE_KEEP_S,
-                       job_id, prompt_tokens, completion_tokens, row_json, finish_reason, several]
-    return ScriptCall("commit", keys.budget_keys(ds), args, lambda r: Outcome(text(r[0])), shared=3)
+                       job_id, prompt_tokens, completion_tokens, row_json, finish_reason, several,
+                       discard or "", "1" if discard and retry else ""]
+    return ScriptCall("commit", [*keys.budget_keys(ds), keys.discards_key(ds), keys.retried_key(ds)], args,
+                      lambda r: Outcome(text(r[0])), shared=3)
 
 
 def release(ds: str, job_id: str, generated: int = 0, member: str | None = None) -> ScriptCall[Release]:
@@ -119,11 +127,18 @@ def withdraw(ds: str) -> ScriptCall[int]:
 
 
 def adopt(ds: str, rows: list[tuple[str, int, int]]) -> ScriptCall[tuple[int, int]]:
-    """Mark (job id, counted or -1 if not counted, completion) rows on disk as committed."""
+    """Mark (job id, counted or -1 truncated / -2 discarded (not counted), completion) rows on disk as done."""
     args: list[Any] = []
     for job_id, counted, completion in rows:
         args += [job_id, counted, completion]
     return ScriptCall("adopt", keys.budget_keys(ds), args, lambda r: (int(r[0]), int(r[1])))
+
+
+def quality_json(ds: DatasetConfig) -> str:
+    """The dataset's guard, gates and retry_discarded as workers read them (conf ``quality``):
+    a worker's own config need not list the datasets it serves."""
+    return json.dumps({"guard": ds.guard.model_dump(mode="json"), "gates": ds.gates.model_dump(mode="json"),
+                       "retry_discarded": ds.retry_discarded}, sort_keys=True)
 
 
 def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = False) -> int | None:
@@ -140,7 +155,8 @@ def register_dataset(client: redis.Redis, ds: DatasetConfig, keep_limit: bool = 
     pipe = client.pipeline()
     pipe.sadd(keys.DATASETS, ds.name)
     conf: dict[Any, Any] = {
-        Conf.MODE: ds.mode, Conf.COUNT: ds.count, Conf.KEEP: ds.keep,
+        Conf.MODE: ds.mode, Conf.COUNT: ds.count, Conf.KEEP: ds.keep, Conf.BUDGET_COUNTS: ds.budget_counts,
+        Conf.QUALITY: quality_json(ds),
         Conf.PRIOR_MEAN: ds.prior_mean, Conf.MAX_TOKENS: ds.max_tokens, Conf.END_MARGIN_Z: ds.end_margin_z,
         Conf.REGISTERED_AT: f"{time.time():.3f}",
     }
@@ -185,6 +201,8 @@ class DatasetState:
     source_ended: bool = False  # the producer has read every row
     interrupted: bool = False   # the producer was stopped on request before the dataset ended
     own_budget: int | None = None  # the config's budget of this dataset (a deadline or total moves ``limit``)
+    budget_counts: str = "kept"    # kept | spent: what ``used`` counts (commit.lua)
+    quality: str = ""              # the worker's guard and gates, JSON (``quality_json``); "" = defaults
 
     @property
     def exhausted(self) -> bool:
@@ -228,6 +246,7 @@ def parse_state(name: str, replies: list[Any]) -> DatasetState:
         source_ended=conf.get(Conf.SOURCE_ENDED) == "1",
         interrupted=conf.get(Conf.INTERRUPTED) == "1",
         own_budget=int(conf[Conf.OWN_BUDGET]) if conf.get(Conf.OWN_BUDGET) else None,
+        budget_counts=conf.get(Conf.BUDGET_COUNTS, "kept"), quality=conf.get(Conf.QUALITY, ""),
     )
 
 

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from budgetq.shared.config_features import FeaturesConfig
 from budgetq.shared.config_fields import Budget, Strict, TokenCount, TotalBudget, yaml_bools
+from budgetq.shared.config_quality import Gates, GatesConfig, Guard, GuardConfig
 from budgetq.shared.errors import ConfigError
 from budgetq.shared.identity import NAME_PATTERN, IdError, check_name
 from budgetq.shared.sampling import extra_key_errors
@@ -63,6 +64,9 @@ class ServerConfig(Strict):
     routing: Literal["least_loaded", "prefix"] = "least_loaded"
     prefix_chars: int = Field(default=1024, ge=16)
     prefix_balance: float = Field(default=1.25, gt=1.0)
+    # Stream answers (SSE): exact tokens so far for the end game, and a guard can cut a loop at the
+    # engine. false: one JSON answer per request, for a server or gateway that cannot stream (docs/sglang.md).
+    stream: bool = True
 
     @model_validator(mode="after")
     def _check_urls(self) -> ServerConfig:
@@ -152,6 +156,20 @@ class DatasetConfig(Strict):
     # This dataset's hidden states stop before they pass this many bytes on disk (10G-style counts); with
     # features.max_bytes it caps the dataset's weighted share of it (docs/hidden_states.md "Disk as a budget").
     features_max_bytes: TokenCount | None = None
+    # The degeneration guard (worker/degeneration.py): on by default; `guard: off` turns it off,
+    # `guard: {max_period_tokens: 300, min_span_tokens: 384, min_repeats: 4}` tunes it.
+    guard: Guard = Field(default_factory=GuardConfig)
+    # Quality gates on finished answers (worker/quality.py): empty, unclosed_reasoning, think_tags
+    # (each on by default) and validator: "module:function". `gates: off`: none.
+    gates: Gates = Field(default_factory=GatesConfig)
+    # A prompt whose answer the guard or a gate discarded is sent again this many times (0 or 1)
+    # with another seed; its discarded answers stay in out/<name>.discarded.jsonl either way.
+    retry_discarded: int = Field(default=0, ge=0, le=1)
+    # What the budget bounds (docs/budget.md "Spent and kept"). kept: the tokens of the rows kept
+    # (out/<name>.jsonl), so a budget buys that much training data whatever the guard and gates
+    # throw away; spent: every token generated under an admission (discarded and truncated answers
+    # too), so a budget bounds GPU time.
+    budget_counts: Literal["kept", "spent"] = "kept"
 
     @model_validator(mode="before")
     @classmethod

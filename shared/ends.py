@@ -85,17 +85,19 @@ def prompts_left(ledger: dict[str, Any]) -> int | None:
 
 def mean_counted(st: DatasetState) -> float:
     """Counted tokens per answered prompt: measured once MEASURED_AFTER results are in, else the
-    dataset's prior mean (prior_mean_tokens)."""
-    answered = st.stats.get("committed", 0) + st.stats.get("truncated", 0)
+    dataset's prior mean (prior_mean_tokens). A prompt that ended discarded is answered too (with
+    budget_counts kept it counted nothing: the prompts a budget needs grow with the discards)."""
+    answered = st.stats.get("committed", 0) + st.stats.get("truncated", 0) + st.stats.get("discarded", 0)
     if answered >= MEASURED_AFTER:
         return st.stats.get("sum_tokens", 0) / answered
     return float(max(1, st.prior_mean))
 
 
 def mean_response(st: DatasetState) -> float | None:
-    """Measured mean response length (completion tokens) over every answer kept, cut ones included;
-    None before the first."""
-    answered = st.stats.get("committed", 0) + st.stats.get("truncated", 0)
+    """Measured mean response length (completion tokens) over every answer that ended, cut and
+    discarded ones included (commit.lua's sum_completion); None before the first."""
+    answered = (st.stats.get("committed", 0) + st.stats.get("truncated", 0) + st.stats.get("discarded", 0)
+                + st.stats.get("discard_retried", 0))
     return st.stats.get("sum_completion", 0) / answered if answered else None
 
 

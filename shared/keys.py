@@ -94,6 +94,18 @@ def results_key(ds: str) -> str:
     return _ds(ds, "results")
 
 
+def discards_key(ds: str) -> str:
+    """Hash of discarded answers by reason (commit.lua): ``<reason>`` -> answers, ``<reason>:tokens`` ->
+    their completion tokens; the reason's kind only ("validator", not the validator's text)."""
+    return _ds(ds, "discards")
+
+
+def retried_key(ds: str) -> str:
+    """Set of job ids whose discarded answer was already sent again once (commit.lua, retry_discarded):
+    a prompt is retried at most once, whichever worker or run commits its attempts."""
+    return _ds(ds, "retried")
+
+
 def cursor_key(ds: str) -> str:
     """String: id of the last results-stream entry the collector wrote to disk."""
     return _ds(ds, "cursor")

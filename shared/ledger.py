@@ -11,12 +11,15 @@ that could drift:
                committed; a claimed job whose prompt is already committed counts as a row
     rows       committed: counted toward the budget, a row of out/<ds>.jsonl (once collected)
     truncated  committed and kept aside as cut by max_tokens (keep: complete)
+    discarded  ended discarded: the degeneration guard or a quality gate refused its answer
+               (out/<ds>.discarded.jsonl, with its reason; by reason in keys.discards_key). A
+               prompt sent again (retry_discarded) is running, or queued, until its retry ends
     skipped    RQ's canceled registry: not sent because the budget was exhausted; requeued
                (back to queued) as soon as the budget admits it again
     failed     RQ's failed registry: its attempts ran out; ``budgetq retry-failed`` requeues it
 
-    entered = enqueued + adopted, and  queued + running + rows + truncated + skipped + failed
-    == entered  ("balanced"; ``unaccounted`` = entered - that sum: a job deleted by hand, a
+    entered = enqueued + adopted, and  queued + running + rows + truncated + discarded + skipped
+    + failed == entered  ("balanced"; ``unaccounted`` = entered - that sum: a job deleted by hand, a
     failed or skipped job whose hash expired after KEEP_S, Redis data lost).
 
 Alongside, never enqueued: ``invalid`` (bad rows) and ``filtered`` (left out by the
@@ -53,10 +56,10 @@ from budgetq.shared.jobs import Ending
 from budgetq.shared.redis_conn import text
 from budgetq.shared.stats import Conf, Stat
 
-STATES = ("queued", "running", "rows", "truncated", "skipped", "failed")
+STATES = ("queued", "running", "rows", "truncated", "discarded", "skipped", "failed")
 # Counters of the stats hash the ledger reads: in the first pipeline, then with the done check.
 _ENTRY = (Stat.ENQUEUED, Stat.ADOPTED, Stat.ABORTED, Stat.INVALID, Stat.FILTERED)
-_DONE = (Stat.COMMITTED, Stat.TRUNCATED)
+_DONE = (Stat.COMMITTED, Stat.TRUNCATED, Stat.DISCARDED)
 # Fields of the conf hash that say how many rows the file has and whether they are all read.
 _SOURCE = (Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED, Conf.SOURCE_LIMIT, Conf.SOURCE_ENDED, Conf.SAMPLES)
 _FIRST = 7  # replies per dataset in the first pipeline
@@ -96,10 +99,11 @@ def read_ledgers(conn: redis.Redis, names: Iterable[str]) -> dict[str, dict[str,
     for i, ds in enumerate(names):
         queued, parked, _wip, skipped, failed, entry, source = first[i * _FIRST: (i + 1) * _FIRST]
         done_claimed = sum(1 for hit in next(second) if hit) if claimed[i] else 0
-        committed, truncated = (_int(v) for v in next(second))
+        committed, truncated, discarded = (_int(v) for v in next(second))
         enqueued, adopted, aborted, invalid, filtered = (_int(v) for v in entry)
         states = {"queued": int(queued), "running": len(claimed[i]) - done_claimed + int(parked),
-                  "rows": committed, "truncated": truncated, "skipped": int(skipped), "failed": int(failed)}
+                  "rows": committed, "truncated": truncated, "discarded": discarded, "skipped": int(skipped),
+                  "failed": int(failed)}
         accounted = sum(states.values())
         entered = enqueued + adopted
         # A dataset whose Redis state predates the ledger has no entry counters: no balance to check.
@@ -132,5 +136,6 @@ def read_ledger(conn: redis.Redis, ds: str) -> dict[str, Any]:
 
 
 def is_settled(ledger: dict[str, Any]) -> bool:
-    """Nothing queued or running: every prompt that entered has ended (row, truncated, skipped, failed)."""
+    """Nothing queued or running: every prompt that entered has ended (row, truncated, discarded, skipped,
+    failed)."""
     return ledger["queued"] == 0 and ledger["running"] == 0

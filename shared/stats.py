@@ -10,6 +10,7 @@ Python modules write only members. A field added anywhere without being added he
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class Conf(enum.StrEnum):
@@ -41,6 +42,10 @@ class Conf(enum.StrEnum):
     SAMPLES = "samples"              # answers per prompt (samples: N): the ledger counts answers
     INTERRUPTED = "interrupted"      # "1": the producer was stopped on request before the dataset ended
                                      # (shared/ends.py; cleared on registration)
+    BUDGET_COUNTS = "budget_counts"  # kept | spent: what a budget bounds (commit.lua): the rows' tokens, or
+                                     # every token generated (truncated and discarded answers too)
+    QUALITY = "quality"              # JSON {guard, gates, retry_discarded}: the worker's guard and gates
+                                     # for the dataset (shared/budget.py quality_settings)
 
 
 class Stat(enum.StrEnum):
@@ -54,6 +59,10 @@ class Stat(enum.StrEnum):
     # -- jobs
     COMMITTED = "committed"            # commit.lua, adopt.lua: results counted toward the budget
     TRUNCATED = "truncated"            # commit.lua, adopt.lua: cut by max_tokens, kept aside (keep: complete)
+    DISCARDED = "discarded"            # commit.lua: answers the guard or a gate discarded, the prompt done
+                                       # (not generated again); a ledger state (out/<ds>.discarded.jsonl)
+    DISCARD_RETRIED = "discard_retried"  # commit.lua: discarded answers whose prompt was sent again
+                                       # (retry_discarded): not a state, the prompt is still running
     ENQUEUED = "enqueued"              # producer: prompts put on the queue for the first time
     ADOPTED = "adopted"                # adopt.lua: rows on disk Redis had lost, marked done again
     FILTERED = "filtered"              # producer: rows its filter left out (never enqueued)
@@ -67,7 +76,8 @@ class Stat(enum.StrEnum):
     ALREADY_DONE = "already_done"      # ending: another copy of the job had committed it
     CAPTURED = "captured"              # ending (features pass, in the <ds>-features stats hash): hidden
                                        # states of a row decoded and sent to the pass
-    EXTRA_REQUESTS = "extra_requests"  # commit.lua: requests beyond one per result (regenerate: all), so
+    EXTRA_REQUESTS = "extra_requests"  # commit.lua: requests beyond one per committed or truncated result
+                                       # (regenerate: all; every request of a discarded one), so
                                        # reserve.lua's mean stays per request
     REQUEUED = "requeued"              # requeue: shutdown or paused dataset
     RECOVERED = "recovered"            # requeue / maintenance: lease ran out (worker died)
@@ -78,10 +88,14 @@ class Stat(enum.StrEnum):
     # -- tokens
     SUM_TOKENS = "sum_tokens"                # commit.lua, adopt.lua: tokens counted (= used, absent adjustments)
     SUM_COMPLETION = "sum_completion"        # commit.lua, adopt.lua: completion lengths of committed+truncated
+                                             # +discarded (every request that ended: reserve.lua's mean)
     SUM_SQ_COMPLETION = "sum_sq_completion"  # their squares: reserve.lua's end-game spread
     TRUNCATED_TOKENS = "truncated_tokens"    # commit.lua: tokens of truncated results
     GENERATED_TOKENS = "generated_tokens"    # commit.lua, release.lua: everything the servers generated
     WASTED_TOKENS = "wasted_tokens"          # commit.lua, release.lua: generated for no kept row
+    DISCARDED_TOKENS = "discarded_tokens"    # commit.lua: completion tokens of discarded answers (retried ones
+                                             # too); by reason in keys.discards_key
+    KEPT_TOKENS = "kept_tokens"              # commit.lua, adopt.lua: completion tokens of the rows (committed)
 
 
 # Counted by the Lua scripts from a field name passed in ARGV (finish.lua ARGV[16],
@@ -89,3 +103,17 @@ class Stat(enum.StrEnum):
 ENDING_STATS = frozenset({Stat.SKIPPED, Stat.FAILED, Stat.ALREADY_DONE, Stat.CAPTURED})
 REQUEUE_STATS = frozenset({Stat.REQUEUED, Stat.RECOVERED, Stat.ABORTED})
 REOPEN_STATS = frozenset({Stat.REOPENED, Stat.RETRIED_FAILED})
+
+
+def discards_by_reason(raw: dict[Any, Any]) -> dict[str, dict[str, int]]:
+    """The discards hash (``keys.discards_key``, written by commit.lua: ``<reason>`` -> answers,
+    ``<reason>:tokens`` -> their completion tokens) as {reason: {"answers": n, "tokens": t}}, sorted."""
+    flat: dict[str, int] = {}
+    for k, v in raw.items():
+        name = k.decode() if isinstance(k, bytes) else str(k)
+        try:
+            flat[name] = int(float(v.decode() if isinstance(v, bytes) else v))
+        except (TypeError, ValueError):
+            flat[name] = 0
+    return {field: {"answers": flat[field], "tokens": flat.get(f"{field}:tokens", 0)}
+            for field in sorted(flat) if not field.endswith(":tokens")}

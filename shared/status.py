@@ -23,17 +23,23 @@ import redis
 from budgetq.shared import features_bytes, keys, presence, run_plan, server_faults, server_kind
 from budgetq.shared.budget import DatasetState, dataset_state
 from budgetq.shared.config import Config
+from budgetq.shared.durations import format_duration as format_duration  # re-exported: its old home
+from budgetq.shared.durations import format_eta as format_eta
 from budgetq.shared.ends import Stop, dataset_eta, prompts_left, stop_reason
 from budgetq.shared.ledger import is_settled, read_ledgers
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import dataset_names, describe, stream_entries, text
+from budgetq.shared.stats import discards_by_reason
 
 # 2: counts.duplicate -> duplicate_result; a done dataset's tok_s is null; ledger.
 # 3: a held dataset's state is "held" (it was "paused") and its paused is the operator's pause only;
 #    failed_registry removed (it was ledger.failed); eta_s is null while paused, held or stalled.
 # 4: eta_s is the time to the first of the dataset's ends (budget, prompts, deadline: shared/ends.py),
 #    where it was to the budget alone; stop, eta_by, prompts_left and ledger.unread added.
-SCHEMA_VERSION = 4
+# 5: ledger.discarded (a state: the guard or a gate refused the answer); counts.discarded and
+#    counts.discard_retried; tokens.spent (= generated), tokens.kept (the rows' completion tokens),
+#    tokens.truncated and tokens.discarded; discarded_by_reason; budget_counts (kept | spent).
+SCHEMA_VERSION = 5
 TOK_S_WINDOW_S = 60          # tok/s is averaged over this many seconds
 HISTORY_S = 600              # the tokens-over-time series covers this many seconds
 CONTROL_ENTRIES = 10         # operator actions shown
@@ -44,9 +50,12 @@ _LEGACY_AUTO = {"budget_total", "budget_deadline"}
 # in a snapshot (0 when missing). Where the prompts are now is the ledger (shared/ledger.py).
 COUNT_FIELDS = ("committed", "truncated", "skipped", "failed", "invalid", "duplicate_result", "aborted",
                 "rejected", "requeued", "retried", "recovered", "reopened", "retried_failed", "enqueued",
-                "adopted", "filtered")
-# Token counters of the stats hash -> their names in a snapshot's "tokens" object.
-TOKEN_FIELDS = {"sum_tokens": "counted", "generated_tokens": "generated", "wasted_tokens": "wasted"}
+                "adopted", "filtered", "discarded", "discard_retried")
+# Token counters of the stats hash -> their names in a snapshot's "tokens" object. spent: every token
+# the servers generated (= generated); kept: the rows' completion tokens; what the budget counts is
+# "counted" (kept, or spent, per the dataset's budget_counts: docs/budget.md "Spent and kept").
+TOKEN_FIELDS = {"sum_tokens": "counted", "generated_tokens": "generated", "wasted_tokens": "wasted",
+                "kept_tokens": "kept", "truncated_tokens": "truncated", "discarded_tokens": "discarded"}
 
 
 def _num(v: Any, kind: type = int, default: Any = 0) -> Any:
@@ -64,28 +73,6 @@ def configured_server_urls(cfg: Config) -> list[str]:
     """The SGLang URLs to list even before a worker reports them: only if someone set them (the
     built-in default would show a server nobody runs)."""
     return cfg.server.urls if "server" in cfg.model_fields_set else []
-
-
-def format_duration(s: float | None) -> str:
-    """``42s``, ``3m05s``, ``2h07m``; ``-`` for unknown (an ETA with no rate yet)."""
-    if s is None:
-        return "-"
-    s = int(round(s))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-_ENDS_SAID = {"budget": "budget", "prompts": "out of prompts", "deadline": "deadline"}
-
-
-def format_eta(s: float | None, by: str | None) -> str:
-    """An ETA with the end it comes to: ``52s (out of prompts)``, ``3m05s (budget)``; ``-`` for none."""
-    if s is None:
-        return "-"
-    return f"{format_duration(s)} ({_ENDS_SAID.get(by or '', by)})" if by else format_duration(s)
 
 
 def server_now(conn: redis.Redis) -> float:
@@ -204,10 +191,11 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
     pipe = conn.pipeline(transaction=False)
     for n in names:
         pipe.hmget(keys.rate_key(n), [str(f) for f in fields])
+        pipe.hgetall(keys.discards_key(n))
     replies = pipe.execute()
     out = []
     for i, st in enumerate(states):
-        rate_vals = replies[i]
+        rate_vals, discards = replies[2 * i], replies[2 * i + 1]
         # DatasetState.paused also covers a hold (workers treat both alike); status tells them apart.
         paused = st.operator_paused
         ledger = ledgers[st.name]
@@ -248,7 +236,10 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
             "prior_mean": st.prior_mean,
             "mean_tokens": round(st.stats.get("sum_tokens", 0) / committed, 1) if committed else None,
             "counts": {f: st.stats.get(f, 0) for f in COUNT_FIELDS},
-            "tokens": {name: st.stats.get(f, 0) for f, name in TOKEN_FIELDS.items()},
+            "budget_counts": st.budget_counts,
+            "tokens": {**{name: st.stats.get(f, 0) for f, name in TOKEN_FIELDS.items()},
+                       "spent": st.stats.get("generated_tokens", 0)},
+            "discarded_by_reason": discards_by_reason(discards),
             "tok_s": None if tok_s is None else round(tok_s, 2),
             "eta_s": None if eta is None else round(eta, 1),
             "eta_by": eta_by,

@@ -1,17 +1,15 @@
 """The simulated engine: a continuous-batching capacity model driven by events, and its accounting.
 
-Time model. Up to ``max_running_requests`` requests hold a slot; the rest wait in a FIFO queue.
-A request that gets a slot is first prefilled (one prefill pipeline shared by all, so TTFT grows
-with prompt length and with the prompts ahead of it), then decodes. With B requests decoding the
-aggregate rate is ``peak * B / (B + half_batch)`` tokens/s, so each one decodes at
+Time model. Up to ``max_running_requests`` requests hold a slot; the rest wait in a FIFO queue. A slot's
+request is prefilled (one pipeline for all: TTFT grows with the prompts ahead of it), then decodes. With B
+requests decoding the aggregate rate is ``peak * B / (B + half_batch)`` tokens/s, so each one decodes at
 ``peak / (B + half_batch)``: the batch's throughput saturates while each request slows down.
 
 Event-driven. Every decoding request advances at the same rate, so one number V(t) -- the tokens
 any decoding request has gained since time 0 -- describes them all. A request that starts decoding
 at V0 with a target of n tokens finishes when V reaches V0 + n: a heap keyed by that value orders
 the finishes. V is brought up to date only when something happens (arrival, prefill end, finish,
-abort), and a single loop timer sleeps until the next finish or prefill end. 512 concurrent
-requests cost O(log n) per event, not a wake-up per request every few milliseconds.
+abort), and one timer sleeps until the next finish or prefill end: O(log n) per event.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from collections import deque
 from budgetq.simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 from budgetq.simulator.prefix_cache import PrefixCache
 from budgetq.simulator.settings import SimSettings
+from budgetq.simulator.texts import Script
 
 __all__ = ["DONE", "Engine", "RequestRecord", "SimSettings"]
 
@@ -38,7 +37,7 @@ class RequestRecord:
     __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
                  "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
                  "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived",
-                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens")
+                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens", "script", "shape", "loop_onset")
 
     def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
                  endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
@@ -68,6 +67,9 @@ class RequestRecord:
         self.client_gone = False
         self.sampling: dict | None = None  # the effective sampling parameters (chat: after defaults)
         self.cached_tokens = 0             # prompt tokens found in the prefix cache: no prefill for them
+        self.script: Script | None = None  # the words it writes (simulator/texts.py); set by the runner
+        self.shape = "normal"              # normal | loop | empty | unclosed (texts.Shape)
+        self.loop_onset: int | None = None # loop: the tokens before its cycle starts
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "endpoint": self.endpoint, "arrived": self.arrived, "admitted": self.admitted,
@@ -75,7 +77,7 @@ class RequestRecord:
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
                 "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone,
-                "cached_tokens": self.cached_tokens}
+                "cached_tokens": self.cached_tokens, "shape": self.shape, "loop_onset": self.loop_onset}
 
 
 class Engine:

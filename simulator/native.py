@@ -25,7 +25,6 @@ from budgetq.simulator.runner import (
     sse,
 )
 from budgetq.simulator.sampling import SamplingError, check_contract, verify
-from budgetq.simulator.texts import inline_text, output_ids
 
 # Bodies of /generate errors, by where SGLang raises them (entrypoints/http_server.py):
 # the JSON contract gate -> {"error": "<text>"}; a ValueError -> _create_error_response
@@ -175,24 +174,39 @@ class NativeRoutes:
 
     async def _stream(self, request: web.Request, recs: list[RequestRecord], caps: list[int],
                       batch: bool) -> web.StreamResponse:
-        with self.runner.aborting(recs, stream=True):
-            resp = await open_sse(request)
-            async for i, k, final in self.runner.progress_all(recs):
-                if final and (recs[i].cut or recs[i].finish == "drop"):
-                    await drop_connection(request)
-                out = _output(recs[i], k, caps[i], final)
-                if batch:
-                    out["index"] = i
-                # Text and output_ids are cumulative in every chunk (SGLang's default).
-                await resp.write(sse(out))
-            return await close_sse(resp)
+        incremental = self.s.incremental_streaming_output
+        sent = [0] * len(recs)   # tokens already sent per request (incremental output)
+        try:
+            with self.runner.aborting(recs, stream=True):
+                resp = await open_sse(request)
+                async for i, k, final in self.runner.progress_all(recs):
+                    if final and (recs[i].cut or recs[i].finish == "drop"):
+                        await drop_connection(request)
+                    # Cumulative (SGLang's default): text and output_ids so far in every chunk. Incremental
+                    # (--incremental-streaming-output): only what is new since the last chunk, the ones that
+                    # piled up meanwhile joined (tokenizer_manager ``_coalesce_streaming_chunks``); meta_info's
+                    # counts stay cumulative either way.
+                    out = _output(recs[i], k, caps[i], final, since=sent[i] if incremental else 0)
+                    sent[i] = k
+                    if batch:
+                        out["index"] = i
+                    await resp.write(sse(out))
+                return await close_sse(resp)
+        except ConnectionResetError:
+            # The client went away mid-stream (its requests aborted when SGLang would notice): nothing
+            # more to write, and no error to log, as SGLang logs none.
+            return web.Response(status=499)
 
 
-def _output(rec: RequestRecord, tokens: int, cap: int, final: bool) -> dict:
+def _output(rec: RequestRecord, tokens: int, cap: int, final: bool, since: int = 0) -> dict:
+    """One /generate answer or stream chunk: the text and output_ids of tokens [since, tokens)."""
     # /generate returns the raw text, thinking inline, whatever the reasoning parser.
     now = time.time()
     end = rec.finished if final and rec.finished is not None else now
-    text, ids = inline_text(tokens, rec.reasoning_target), output_ids(tokens, rec.reasoning_target)
+    script = rec.script
+    assert script is not None
+    text = script.inline(tokens)[len(script.inline(since)):] if since else script.inline(tokens)
+    ids = script.output_ids(since, tokens)
     if final and rec.finish == "abort" and rec.abort_message == WAITING_ABORT:
         # tokenizer_manager._handle_abort_req builds this shorter meta_info.
         return {"text": text, "output_ids": ids,

@@ -26,7 +26,7 @@ from budgetq.simulator.runner import (
     sse,
 )
 from budgetq.simulator.sampling import SamplingError, chat_sampling, verify
-from budgetq.simulator.texts import content_text, estimate_tokens, inline_text, separated
+from budgetq.simulator.texts import Script, content_text, estimate_tokens
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -72,12 +72,14 @@ async def oai_body(request: web.Request) -> dict:
 def _usage(recs: list[RequestRecord], cache_report: bool = False) -> dict:
     # protocol.UsageInfo's keys in its order (usage_processor.calculate_token_usage).
     # prompt_tokens_details only with --enable-cache-report (calculate_response_usage).
-    prompt = sum(r.prompt_tokens for r in recs)
-    completion = sum(r.completion_tokens for r in recs)
-    reasoning = sum(min(r.completion_tokens, r.reasoning_target) for r in recs)
+    return _usage_of(sum(r.prompt_tokens for r in recs), sum(r.completion_tokens for r in recs),
+                     sum(min(r.completion_tokens, r.reasoning_target) for r in recs),
+                     sum(r.cached_tokens for r in recs) if cache_report else None)
+
+
+def _usage_of(prompt: int, completion: int, reasoning: int, cached: int | None) -> dict:
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": ({"cached_tokens": sum(r.cached_tokens for r in recs)} if cache_report
-                                      else None),
+            "prompt_tokens_details": {"cached_tokens": cached} if cached is not None else None,
             "reasoning_tokens": reasoning,
             "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
 
@@ -131,8 +133,9 @@ class OpenAIRoutes:
                 return await stream_overload(request, exc)
             return oai_error(exc)
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._chat_stream(request, rec, self._model(body), separate, include_usage)
+            opts = body.get("stream_options") or {}
+            return await self._chat_stream(request, rec, self._model(body), separate, bool(opts.get("include_usage")),
+                                           bool(opts.get("continuous_usage_stats")))
         await self.runner.wait_all([rec], request)
         reasoning, content = _chat_texts(rec, rec.completion_tokens, separate)
         return web.json_response({
@@ -144,35 +147,48 @@ class OpenAIRoutes:
         })
 
     async def _chat_stream(self, request: web.Request, rec: RequestRecord, model: str, separate: bool,
-                           include_usage: bool) -> web.StreamResponse:
+                           include_usage: bool, continuous: bool = False) -> web.StreamResponse:
         created = int(time.time())
 
-        def chunk(delta: dict, finish: str | None = None, matched: int | None = None) -> bytes:
+        def chunk(delta: dict, finish: str | None = None, matched: int | None = None,
+                  tokens: int | None = None) -> bytes:
+            # stream_options.continuous_usage_stats: the usage so far on every reasoning or content delta, not
+            # on the role or finish chunks (serving_chat ``_generate_stream_content``: calculate_token_usage).
+            usage = None
+            if continuous and tokens is not None:
+                usage = _usage_of(rec.prompt_tokens, tokens, min(tokens, rec.reasoning_target),
+                                  rec.cached_tokens if self.s.enable_cache_report else None)
             return sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
-                                      "matched_stop": matched}], "usage": None})
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                     "matched_stop": matched}], "usage": usage})
 
-        with self.runner.aborting([rec], stream=True):
-            resp = await open_sse(request)
-            # DeltaMessage drops tool_calls when it is None (ChatCompletionResponseStreamChoice._serialize).
-            await resp.write(chunk({"role": "assistant", "content": "", "reasoning_content": None}))
-            sent_r, sent_c = "", ""
-            async for k, final in self.runner.progress(rec):
-                if final and (rec.cut or rec.finish == "drop"):
-                    await drop_connection(request)
-                reasoning, content = _chat_texts(rec, k, separate)
-                reasoning = reasoning or ""
-                d_r, d_c = reasoning[len(sent_r):], content[len(sent_c):]
-                if d_r or d_c:
-                    await resp.write(chunk({"role": None, "content": d_c or None, "reasoning_content": d_r or None}))
-                    sent_r, sent_c = reasoning, content
-            await resp.write(chunk({"role": None, "content": None, "reasoning_content": None},
-                                   _FINISH[rec.finish], _matched(rec)))
-            if include_usage:
-                await resp.write(sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created,
-                                      "model": model, "choices": [],
-                                      "usage": _usage([rec], self.s.enable_cache_report)}))
-            return await close_sse(resp)
+        try:
+            with self.runner.aborting([rec], stream=True):
+                resp = await open_sse(request)
+                # DeltaMessage drops tool_calls when it is None (ChatCompletionResponseStreamChoice._serialize).
+                await resp.write(chunk({"role": "assistant", "content": "", "reasoning_content": None}))
+                sent_r, sent_c = "", ""
+                async for k, final in self.runner.progress(rec):
+                    if final and (rec.cut or rec.finish == "drop"):
+                        await drop_connection(request)
+                    reasoning, content = _chat_texts(rec, k, separate)
+                    reasoning = reasoning or ""
+                    d_r, d_c = reasoning[len(sent_r):], content[len(sent_c):]
+                    if d_r or d_c:
+                        await resp.write(chunk({"role": None, "content": d_c or None, "reasoning_content": d_r or None},
+                                               tokens=k))
+                        sent_r, sent_c = reasoning, content
+                await resp.write(chunk({"role": None, "content": None, "reasoning_content": None},
+                                       _FINISH[rec.finish], _matched(rec)))
+                if include_usage:
+                    await resp.write(sse({"id": rec.rid, "object": "chat.completion.chunk", "created": created,
+                                          "model": model, "choices": [],
+                                          "usage": _usage([rec], self.s.enable_cache_report)}))
+                return await close_sse(resp)
+        except ConnectionResetError:
+            # The client went away mid-stream (its requests aborted when SGLang would notice): nothing
+            # more to write, and no error to log, as SGLang logs none.
+            return web.Response(status=499)
 
     # --- completions ----------------------------------------------------------------------------
 
@@ -199,7 +215,7 @@ class OpenAIRoutes:
         return web.json_response({
             "id": recs[0].rid if len(recs) == 1 else uuid.uuid4().hex, "object": "text_completion",
             "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": inline_text(r.completion_tokens, r.reasoning_target), "logprobs": None,
+            "choices": [{"index": i, "text": _script(r).inline(r.completion_tokens), "logprobs": None,
                          "finish_reason": _FINISH[r.finish], "matched_stop": _matched(r)} for i, r in enumerate(recs)],
             "usage": _usage(recs, self.s.enable_cache_report), "metadata": _METADATA,
         })
@@ -214,29 +230,39 @@ class OpenAIRoutes:
                          "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish,
                                       "matched_stop": matched}], "usage": None})
 
-        with self.runner.aborting(recs, stream=True):
-            resp = await open_sse(request)
-            sent = [""] * len(recs)
-            async for i, k, final in self.runner.progress_all(recs):
-                rec = recs[i]
-                if final and (rec.cut or rec.finish == "drop"):
-                    await drop_connection(request)
-                text = inline_text(k, rec.reasoning_target)
-                delta, sent[i] = text[len(sent[i]):], text
-                if final:
-                    await resp.write(chunk(i, delta, _FINISH[rec.finish], _matched(rec)))
-                elif delta:
-                    await resp.write(chunk(i, delta))
-            if include_usage:
-                await resp.write(sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                      "choices": [], "usage": _usage(recs, self.s.enable_cache_report)}))
-            return await close_sse(resp)
+        try:
+            with self.runner.aborting(recs, stream=True):
+                resp = await open_sse(request)
+                sent = [""] * len(recs)
+                async for i, k, final in self.runner.progress_all(recs):
+                    rec = recs[i]
+                    if final and (rec.cut or rec.finish == "drop"):
+                        await drop_connection(request)
+                    text = _script(rec).inline(k)
+                    delta, sent[i] = text[len(sent[i]):], text
+                    if final:
+                        await resp.write(chunk(i, delta, _FINISH[rec.finish], _matched(rec)))
+                    elif delta:
+                        await resp.write(chunk(i, delta))
+                if include_usage:
+                    await resp.write(sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                          "choices": [], "usage": _usage(recs, self.s.enable_cache_report)}))
+                return await close_sse(resp)
+        except ConnectionResetError:
+            # The client went away mid-stream (its requests aborted when SGLang would notice): nothing
+            # more to write, and no error to log, as SGLang logs none.
+            return web.Response(status=499)
+
+
+def _script(rec: RequestRecord) -> Script:
+    assert rec.script is not None   # the runner gives every request one
+    return rec.script
 
 
 def _chat_texts(rec: RequestRecord, tokens: int, separate: bool) -> tuple[str | None, str]:
     if separate:
-        return separated(tokens, rec.reasoning_target)
-    return None, inline_text(tokens, rec.reasoning_target)
+        return _script(rec).separated(tokens)
+    return None, _script(rec).inline(tokens)
 
 
 def _rid(body: dict) -> str | None:

@@ -14,9 +14,9 @@ import orjson
 from aiohttp import web
 
 from budgetq.simulator.faults import ERROR_MESSAGES, FaultInjector
-from budgetq.simulator.lengths import LengthModel
+from budgetq.simulator.lengths import LengthModel, draw_key
 from budgetq.simulator.model import DONE, Engine, RequestRecord, SimSettings
-from budgetq.simulator.texts import estimate_tokens
+from budgetq.simulator.texts import Script, estimate_tokens, shape_of
 
 MATCHED_STOP = 2   # the EOS id the simulated model "stops" on
 WAITING_ABORT = "Abort in waiting queue"
@@ -127,9 +127,22 @@ class Runner:
             wanted = self.lengths.draw(item.rid)
             target = min(wanted, cap)
             frac = self.s.reasoning_tokens_frac if item.thinking else 0.0
-            rec = RequestRecord(item.rid or uuid.uuid4().hex, item.prompt_tokens, target,
-                                "length" if wanted >= cap else "stop", item.endpoint, item.input_ids_head,
-                                round(frac * wanted))
+            rid = item.rid or uuid.uuid4().hex
+            key = draw_key(rid) if item.rid else rid
+            # Whether it degenerates also depends on the request's sampling seed: a prompt sent again with
+            # another seed (retry_discarded) is another draw, as on a real model; its length is not.
+            sampling_seed = (item.sampling or {}).get("sampling_seed")
+            shape = shape_of(self.s.seed, key if sampling_seed is None else f"{key}\x00{sampling_seed}", target,
+                             self.s.loop_fraction, self.s.empty_fraction, self.s.unclosed_fraction)
+            if shape.kind == "loop":
+                target = cap   # the cycle goes on until max_tokens
+            script = Script(self.s.seed, key, target, round(frac * wanted), shape, self.s.loop_period)
+            finish = "length" if wanted >= cap or shape.kind == "loop" else "stop"
+            rec = RequestRecord(rid, item.prompt_tokens, script.tokens, finish, item.endpoint, item.input_ids_head,
+                                script.think)
+            rec.script, rec.shape = script, shape.kind
+            if shape.kind == "loop":
+                rec.loop_onset = shape.onset
             rec.sampling = item.sampling
             cache = self.engine.prefix_cache
             if cache is not None and item.prompt is not None:
@@ -162,14 +175,15 @@ class Runner:
         """(tokens, final) as ``rec`` grows, at most one every stream interval; the final one last."""
         last = -1
         loop = asyncio.get_running_loop()
+        interval = stream_interval(rec.sampling, self.s.stream_interval)
         while rec.state != DONE and not rec.cut:
             rec.waiter = loop.create_future()   # resolved by the next tick, or by the engine when rec ends
             self._ticker.add(rec.waiter)
             await rec.waiter
             if rec.state == DONE or rec.cut:
                 break
-            k = self.engine.tokens_now(rec)
-            if k != last:
+            k = sent_at(self.engine.tokens_now(rec), interval)
+            if k and k != last:
                 last = k
                 yield k, False
         # A cut (drop fault) request is still running: the handler closes the connection now.
@@ -197,6 +211,21 @@ class Runner:
         finally:
             for t in tasks:
                 t.cancel()
+
+
+def stream_interval(sampling: dict | None, server: int) -> int:
+    """A request's stream interval in tokens: its own sampling_params.stream_interval, else the server's."""
+    own = (sampling or {}).get("stream_interval")
+    return own if isinstance(own, int) and not isinstance(own, bool) and own > 0 else max(1, server)
+
+
+def sent_at(tokens: int, interval: int) -> int:
+    """The newest output a running request has sent by ``tokens``: SGLang's scheduler streams the first
+    token at once, then whenever ``interval`` tokens are unsent (at one token a step: tokens 1, 1 + interval,
+    1 + 2 x interval, ...; every token with interval 1) (scheduler_components/output_streamer.py ``accept``)."""
+    if interval <= 1 or tokens < 1:
+        return tokens
+    return tokens - (tokens - 1) % interval
 
 
 class Ticker:

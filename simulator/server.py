@@ -119,7 +119,8 @@ class SimServer:
                 "max_queued_requests": s.max_queued_requests, "context_length": f.context_length,
                 "reasoning_parser": s.reasoning_parser, "random_seed": s.seed, "enable_metrics": True,
                 "sampling_defaults": "model", "dp_size": 1, "weight_version": WEIGHT_VERSION,
-                "api_key": None if s.api_key is None else "***"}
+                "api_key": None if s.api_key is None else "***", "stream_interval": s.stream_interval,
+                "incremental_streaming_output": s.incremental_streaming_output}
         state = {"world_size": 1, "startup_time": self.started,
                  "effective_max_running_requests_per_dp": s.max_running_requests,
                  "last_gen_throughput": self.engine.throughput(),
@@ -131,7 +132,10 @@ class SimServer:
                                   "simulator": {"peak_tok_s": s.peak_tok_s, "half_batch": s.half_batch,
                                                 "prefill_tok_s": s.prefill_tok_s, "speedup": s.speedup,
                                                 "instant": s.instant, "disconnect_poll_s": s.disconnect_poll_s,
-                                                "stream_abort_s": s.stream_abort_s}})
+                                                "stream_abort_s": s.stream_abort_s,
+                                                "loop_fraction": s.loop_fraction, "loop_period": s.loop_period,
+                                                "empty_fraction": s.empty_fraction,
+                                                "unclosed_fraction": s.unclosed_fraction}})
 
     async def loads(self, request: web.Request) -> web.Response:
         # entrypoints/v1_loads.get_loads with one DP rank: LoadSnapshot's core keys.

@@ -36,8 +36,21 @@ class SimSettings:
     api_key: str | None = None
     seed: int = 0
     model: str = "sim-model"
-    # Streaming responses emit a chunk at most this often (wall seconds).
+    # Streaming responses emit a chunk at most this often (wall seconds): what reaches a client that reads
+    # as fast as the tokens come, SGLang's tokenizer manager coalescing what piled up meanwhile.
     stream_interval_s: float = 0.05
+    # SGLang's --stream-interval: a running request's output goes out every this many tokens (and at its end).
+    stream_interval: int = 1
+    # SGLang's --incremental-streaming-output: a streamed /generate sends each chunk's new text and
+    # output_ids only (default: everything so far, in every chunk). Chat streams deltas either way.
+    incremental_streaming_output: bool = False
+    # Degenerate answers (simulator/texts.py Shape), each a fraction of the requests, by (seed, rid):
+    # a loop (an exact cycle of loop_period tokens from a random onset to max_tokens), an empty answer,
+    # a reasoning that never closes.
+    loop_fraction: float = 0.0
+    loop_period: int = 8
+    empty_fraction: float = 0.0
+    unclosed_fraction: float = 0.0
     # /sim/requests keeps the newest this many records.
     keep_records: int = 200_000
     # SGLang notices a dropped non-streaming client only at its next state-wait poll

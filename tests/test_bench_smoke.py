@@ -36,6 +36,7 @@ KEY_RATIO = {
     "network_rtt": "ratio rtt / loopback",
     "features_store": "ratio tok/s to stream",
     "fp8_error": "ratio agreeing",
+    "stream_cpu": "ratio guard / decode",
 }
 
 

@@ -72,7 +72,8 @@ def test_aborted_and_skipped_prompts_are_requeued_and_nothing_is_missing(tmp_pat
         assert f"requeued {skipped} skipped jobs" in out, out
         led = dataset_status(cfg, "A")["ledger"]
         assert led["skipped"] == 0 and led["balanced"], led
-        assert sum(led[s] for s in ("queued", "running", "rows", "truncated", "skipped", "failed")) == led["entered"]
+        states = ("queued", "running", "rows", "truncated", "discarded", "skipped", "failed")
+        assert sum(led[s] for s in states) == led["entered"]
         producer = procs.producer()  # collects what the requeued jobs make, and reads the rest
         assert producer.wait(90) == 0, Procs.log(producer)
     finally:

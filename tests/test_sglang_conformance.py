@@ -145,6 +145,40 @@ def test_generate_responses_decode_with_sglangs_api_types():
         assert decoded.meta_info.weight_version == "default"
 
 
+@pytest.mark.parametrize("incremental", [False, True])
+def test_streamed_generate_chunks_decode_with_sglangs_api_types(incremental):
+    """Every chunk of a streamed /generate, cumulative (SGLang's default) or incremental, with a server
+    and a per-request stream interval, decodes as SGLang's GenerateResponse; the worker reads them the same."""
+    async def scenario(c, u):
+        out = _events(await sse(c, u + "/generate", {"text": "x", "stream": True,
+                                                     "sampling_params": {"max_new_tokens": 40}}))
+        out += _events(await sse(c, u + "/generate", {"input_ids": [1, 2], "stream": True,
+                                                      "sampling_params": {"max_new_tokens": 30, "stream_interval": 4}}))
+        return out
+
+    chunks = run_sim(scenario, speedup=1, length_mean=10**6, length_sigma=0.0, stream_interval_s=0.001,
+                     stream_interval=3, incremental_streaming_output=incremental, reasoning_tokens_frac=0.3)
+    assert len(chunks) > 4
+    for resp in chunks:
+        decoded = sc.SGL.api_types.GenerateResponse.from_json_value(resp)
+        assert decoded.meta_info.completion_tokens == resp["meta_info"]["completion_tokens"]
+        assert decoded.output_ids == resp["output_ids"] and decoded.text == resp["text"]
+
+
+def test_streamed_chat_with_continuous_usage_round_trips_exactly():
+    async def scenario(c, u):
+        return _events(await sse(c, u + CHAT, {"messages": MSGS, "max_tokens": 30, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
+
+    events = run_sim(scenario, speedup=1, length_mean=10**6, length_sigma=0.0, stream_interval_s=0.001,
+                     reasoning_tokens_frac=0.3, reasoning_parser="qwen3")
+    # The usage so far on every delta; none on the role and finish chunks; the final usage chunk last.
+    assert events[-1]["choices"] == [] and all(e["usage"] is not None for e in events[1:-2])
+    assert events[0]["usage"] is None and events[-2]["usage"] is None
+    for ev in events:
+        assert sc.round_trip("ChatCompletionStreamResponse", ev) == [], json.dumps(ev)
+
+
 # --- budgetq's request bodies -> SGLang's request models ------------------------------------------
 
 SAMPLINGS = [
@@ -163,20 +197,28 @@ def _payload(sp: SamplingParams, with_ids: bool) -> JobPayload:
                       chat_template_kwargs={"enable_thinking": False})
 
 
-@pytest.mark.parametrize(("api", "sp", "with_ids"), [
-    (api, sp, ids) for api, sp, ids in itertools.product(("chat", "generate"), SAMPLINGS, (True, False))])
-def test_every_request_budgetq_builds_passes_sglangs_request_models(api, sp, with_ids):
+@pytest.mark.parametrize(("api", "sp", "with_ids", "stream"), [
+    (api, sp, ids, stream) for api, sp, ids, stream in itertools.product(("chat", "generate"), SAMPLINGS, (True, False),
+                                                                         (False, True))])
+def test_every_request_budgetq_builds_passes_sglangs_request_models(api, sp, with_ids, stream):
     server = ServerConfig(api=api, tokenizer="tok" if api == "generate" else None)
-    path, body = build_request(server, _payload(sp, with_ids), "A1-p1.0123456789ab")
+    # Streamed as the client sends to SGLang: the final usage chunk and the usage on every chunk.
+    path, body = build_request(server, _payload(sp, with_ids), "A1-p1.0123456789ab", stream=stream,
+                               continuous_usage=stream)
     body = json.loads(json.dumps(body))          # what goes over the wire
     if path == "/v1/chat/completions":
         req = sc.validate_chat_request(body)
         # Nothing budgetq sends is silently dropped by SGLang's chat model.
         assert set(body) <= sc.CHAT_REQUEST_FIELDS, set(body) - sc.CHAT_REQUEST_FIELDS
-        assert req.rid == body["rid"]
+        assert req.rid == body["rid"] and req.stream is stream
+        if stream:
+            opts = req.stream_options.model_dump()
+            assert opts["include_usage"] is True and opts["continuous_usage_stats"] is True
+            assert set(body["stream_options"]) <= set(opts)   # neither option dropped by SGLang's model
     else:
         assert path == "/generate"
         sc.validate_generate_request(body)
+        assert sc.SGL.api_types.GenerateRequest.from_json_value(body).stream is stream
 
 
 @pytest.mark.parametrize("params", [{"top_p": 0}, {"top_k": 0}, {"temperature": -1}, {"repetition_penalty": 3},

@@ -111,7 +111,7 @@ def test_chat_with_reasoning_parser_separates_reasoning_content():
         _, body = await post(c, u + CHAT, {"messages": MSGS, "max_tokens": 1000})
         msg, usage = body["choices"][0]["message"], body["usage"]
         assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["matched_stop"] is not None
-        assert "<think>" not in msg["content"] and msg["reasoning_content"].split() == ["hmm"] * 25
+        assert "<think>" not in msg["content"] and len(msg["reasoning_content"].split()) == 25
         assert len(msg["content"].split()) == 75 and usage["reasoning_tokens"] == 25
         _, body = await post(c, u + CHAT, {"messages": MSGS, "separate_reasoning": False})
         assert body["choices"][0]["message"]["content"].startswith("<think>")

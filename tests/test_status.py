@@ -80,7 +80,7 @@ def _seed(conn) -> float:
 def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     now = _seed(conn)
     snap = snapshot(conn, redis_url, ["http://gpu-a:30000", "http://gpu-c:30000"], history_s=600)
-    assert snap["schema"] == 4 and snap["history_s"] == 600
+    assert snap["schema"] == 5 and snap["history_s"] == 600
     assert abs(snap["generated_at"] - now) < 60
     a1, b2 = snap["datasets"]
     assert (a1["dataset"], a1["budget"], a1["used"], a1["in_flight"]) == ("A1", 10_000, 800, 1)
@@ -89,7 +89,9 @@ def test_snapshot_reads_every_counter_of_the_contract(conn, redis_url):
     assert a1["used_pct"] == 8.0 and a1["remaining"] == 9200 and a1["mean_tokens"] == 400.0
     assert a1["queued"] == 3 and a1["ledger"]["failed"] == 1 and a1["hold"] is None and "failed_registry" not in a1
     assert a1["counts"] == {**{f: 0 for f in COUNT_FIELDS}, "committed": 2, "skipped": 4, "invalid": 2}
-    assert a1["tokens"] == {"counted": 800, "generated": 900, "wasted": 100}
+    assert a1["tokens"] == {"counted": 800, "generated": 900, "wasted": 100, "kept": 800, "truncated": 0,
+                            "discarded": 0, "spent": 900}
+    assert a1["budget_counts"] == "kept" and a1["discarded_by_reason"] == {}
     # 600 tokens in the last minute (the bucket 120 s ago is outside the window)
     assert 600 / 66 <= a1["tok_s"] <= 600 / 60
     assert a1["eta_s"] == pytest.approx(9200 / a1["tok_s"], rel=0.01)

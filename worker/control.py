@@ -140,7 +140,7 @@ class Control:
         running: dict[str, list[tuple[Tracked, float]]] = {}
         for t in self._jobs.values():
             if t.phase is Phase.SENDING and t.ds in refine:
-                running.setdefault(t.ds, []).append((t, self._length.generated_so_far(now - t.admitted_at)))
+                running.setdefault(t.ds, []).append((t, t.generated(self._length, now)))
         # Requests in flight are lengths known to be at least g (censored): without them the
         # estimate leans on the short answers that finished first. Other workers' requests are
         # like ours: each of ours stands for in_flight / ours of them.

@@ -13,8 +13,10 @@ run only the short answers have finished, so a histogram of completed lengths al
 responses are short, the long ones in flight are under-reserved, too many requests are
 admitted, and they are aborted at the crossing. On a 2M budget with 256 in flight that
 bias threw away ~13% of the generated tokens (bench/end_game.py); counting the running
-requests as "at least g" removes it. g is estimated from elapsed time and the observed
-per-request decode rate.
+requests as "at least g" removes it. g is what the request's stream says it has made
+(worker/tracked.py ``Tracked.generated``: exact, SGLang's meta_info / the usage so far); with
+``server.stream: false`` it is estimated from elapsed time and the observed per-request decode
+rate, which a request queued behind others (none made yet) or at a faster server gets wrong.
 
 Written here rather than with lifelines' KaplanMeierFitter: that would bring pandas and scipy
 into every worker for a product over 64 histogram bins, recomputed each control interval.

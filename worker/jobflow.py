@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
 from budgetq.shared import budget, jobs
 from budgetq.shared.budget import Admission, Outcome, Released, Reservation
 from budgetq.shared.errors import BadResponseError, FatalRequestError, RetryableRequestError
-from budgetq.shared.jobs import JobEnd, ResultStatus, Skip
+from budgetq.shared.jobs import Ending, JobEnd, ResultStatus, Skip
 from budgetq.shared.retry import retry_redis
 from budgetq.shared.schema import JobPayload
-from budgetq.worker import turns  # regenerate: all: a job may send one request per user turn
+from budgetq.worker import discard, quality, turns  # turns: regenerate: all may send one request per user turn
 from budgetq.worker.context import JobContext
 from budgetq.worker.process import build_row, estimate_prompt_tokens
+from budgetq.worker.sglang_stream import WATCH, Watch
 from budgetq.worker.tracked import Abort, Phase, Tracked
 
 log = logging.getLogger("budgetq.worker")
@@ -45,10 +47,18 @@ async def run_job(ctx: JobContext, t: Tracked) -> None:
             await ctx.recorder.end(t, JobEnd.failed(f"unreadable job payload: {exc}"))
             return
         t.prompt_tokens = estimate_prompt_tokens(payload)
+        attempt = 1
         res = await _admit(ctx, t, payload)
-        if res.status is Admission.ADMIT:
-            await _send(ctx, t, payload, res)
-        elif res.status is Admission.DONE:
+        # retry_discarded: a discarded answer's commit gave its ticket back (RETRY); the prompt asks for a new
+        # admission and goes again with another seed, at most that many times in this job run.
+        while res.status is Admission.ADMIT:
+            if not await _send(ctx, t, payload, res, attempt):
+                return
+            attempt += 1
+            payload = t.payload = discard.another_seed(payload, t.job_id, attempt)
+            t.phase = Phase.PENDING
+            res = await _admit(ctx, t, payload)
+        if res.status is Admission.DONE:
             await ctx.recorder.end(t, JobEnd.done(ResultStatus.ALREADY_DONE))
         elif res.status is Admission.EXHAUSTED:
             await ctx.recorder.end(t, JobEnd.skip(Skip.EXHAUSTED))
@@ -113,34 +123,77 @@ async def _admit_parked(ctx: JobContext, t: Tracked, payload: JobPayload) -> Res
             delay = min(delay * 2, 0.5)
 
 
-async def _send(ctx: JobContext, t: Tracked, payload: JobPayload, res: Reservation) -> None:
+def _quality(ctx: JobContext, ds: str) -> discard.Quality:
+    """The dataset's guard, gates and retry_discarded, from its conf as the control loop last read it."""
+    st = ctx.control.states.get(ds)
+    return discard.settings(getattr(st, "quality", "") if st is not None else "")
+
+
+async def _send(ctx: JobContext, t: Tracked, payload: JobPayload, res: Reservation, attempt: int = 1) -> bool:
+    """Send, then commit what came back. True: the answer was discarded and the prompt goes again."""
     t.phase, t.admitted_at, t.reserved = Phase.SENDING, time.monotonic(), res.tokens
+    t.streamed = None
     job_id = t.job_id
+    q = _quality(ctx, t.ds)
+    watch = WATCH.set(Watch(guard=q.make_guard(), on_progress=t.progressed))
     try:
         try:
             out = await turns.send(ctx.client, payload, job_id,  # regenerate: all: each turn timed alone
-                                   on_turn=lambda _k: setattr(t, "admitted_at", time.monotonic()))
+                                   on_turn=lambda _k: t.new_request())
         finally:
+            WATCH.reset(watch)
             ctx.slots.release()
     except (FatalRequestError, RetryableRequestError, BadResponseError) as exc:
         log.warning("job %s failed: %s", job_id, exc)
         await _release_and_end(ctx, t, JobEnd.failed(str(exc)))
-        return
+        return False
     t.phase = Phase.COMMITTING
     turns.observe(ctx.length, out)  # per request, also for a conversation
     row = build_row(payload, out, ctx.client.model).model_dump_json()
+    try:
+        why = discard.reason(out, q)
+    except quality.ValidatorError as exc:  # gates.validator cannot be imported here: one line, the job fails
+        log.error("job %s: %s", job_id, exc)
+        await _release_and_end(ctx, t, JobEnd.failed(str(exc)), out.completion_tokens)
+        return False
+    retry = False
+    if why is not None:
+        retry = attempt <= q.retry_discarded
+        row = discard.discard_row(row, why[0], why[1], out, attempt, retry, secrets.token_hex(4))
+        _log_discard(t, why, out, retry)
     call = budget.commit(t.ds, job_id, out.prompt_tokens, out.completion_tokens, out.finish_reason, row,
-                         lengths=turns.lengths(out))  # regenerate: all: per-request lengths
+                         lengths=turns.lengths(out),  # regenerate: all: per-request lengths
+                         discard=why[0] if why is not None else None, retry=retry)
     outcome = await retry_redis(lambda: ctx.batch(call), f"commit {job_id}")
     ctx.control.room_freed(t.ds)
     if outcome is Outcome.CROSSED:
         ctx.control.budget_crossed(t.ds)
     if outcome in _KEPT:
         await ctx.recorder.end(t, JobEnd.done(_KEPT[outcome], out.completion_tokens))
+    elif outcome is Outcome.RETRY:
+        return True
+    elif outcome is Outcome.DISCARDED and why is not None:
+        # Finished (the prompt is done, in the ledger's discarded state), not failed: nothing to retry.
+        await ctx.recorder.end(t, JobEnd(Ending.FINISHED, {"status": "discarded", "reason": why[0],
+                                                           "completion_tokens": out.completion_tokens}))
     elif outcome is Outcome.DUPLICATE:
         await ctx.recorder.end(t, JobEnd.done(ResultStatus.DUPLICATE))
     else:  # REJECTED: its admission was withdrawn while it ran
         await ctx.recorder.end(t, JobEnd.skip(Skip.WITHDRAWN))
+    return False
+
+
+def _log_discard(t: Tracked, why: tuple[str, dict], out: turns.Result, retry: bool) -> None:
+    """The decision, once per answer: a loop with where it began and where it was cut."""
+    reason, d = why
+    again = "; sent again with another seed" if retry else ""
+    if reason == "loop":
+        log.info("dataset %s: job %s cut in a loop: period %s tokens, %s repeats, onset at %s tokens, cut at %s%s",
+                 t.ds, t.job_id, d.get("period"), d.get("repeats"), d.get("onset_tokens"),
+                 d.get("cut_tokens", out.completion_tokens), again)
+    else:
+        log.info("dataset %s: job %s discarded (%s), %d tokens%s", t.ds, t.job_id, reason, out.completion_tokens,
+                 again)
 
 
 async def _release_and_end(ctx: JobContext, t: Tracked, end: JobEnd, generated: int = 0) -> None:
@@ -173,7 +226,7 @@ async def _on_cancel(ctx: JobContext, t: Tracked) -> None:
         # The budget was crossed or the operator withdrew admissions: this request is dropped.
         generated = 0
         if t.phase is Phase.SENDING:
-            generated = int(ctx.length.generated_so_far(time.monotonic() - t.admitted_at))
+            generated = int(t.generated(ctx.length))
         await _release_and_end(ctx, t, JobEnd.skip(reason.skip), generated)
     except Exception as exc:  # noqa: BLE001 - Redis gone: the lease will expire and it is requeued
         log.warning("job %s: could not settle after cancel (%s): %s", t.job_id, reason.value, exc)

@@ -28,6 +28,7 @@ from budgetq.shared.errors import (
 from budgetq.shared.retry import backoff_s
 from budgetq.shared.schema import JobPayload
 from budgetq.worker.endpoints import Endpoint, EndpointPool, ask_kind, routing_key
+from budgetq.worker.sglang_stream import WATCH, NoStreamUsage, SSEParser, StreamCut, StreamDecoder, verdict_details
 from budgetq.worker.sglang_wire import (
     RETRYABLE_STATUS,
     Completion,
@@ -53,6 +54,9 @@ _DUPLICATE_RID = "Duplicate request ID"
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 # The servers that get the attempt's rid as X-Request-Id (``_post``).
 _RID_HEADER_KINDS = (server_kind.SGLANG, server_kind.VLLM)
+# The servers asked for the usage on every chunk (stream_options.continuous_usage_stats): exact tokens so
+# far. Others may refuse an unknown field; they get the final usage chunk only (include_usage).
+_CONTINUOUS_USAGE_KINDS = (server_kind.SGLANG, server_kind.VLLM)
 
 
 class SGLangClient:
@@ -76,6 +80,9 @@ class SGLangClient:
         self._on_retry = on_retry
         self._aborts: set[asyncio.Task] = set()
         self.aborts_sent = 0
+        # Endpoints whose streams carry no token counts (llama-cpp-python's server ignores stream_options):
+        # their requests go unstreamed, said once per endpoint.
+        self._unstreamed: set[str] = set()
 
     @property
     def model(self) -> str:
@@ -92,9 +99,10 @@ class SGLangClient:
             await asyncio.wait(list(self._aborts), timeout=_ABORT_TIMEOUT.total)
         await self.pool.close()
 
-    def _abort_later(self, ep: Endpoint, rid: str) -> None:
-        """Ask the server to stop ``rid`` now, in the background (never blocks a cancellation)."""
-        if not self._server.abort_on_cancel or ep.sglang is False:  # /abort_request is SGLang's own
+    def _abort_later(self, ep: Endpoint, rid: str, always: bool = False) -> None:
+        """Ask the server to stop ``rid`` now, in the background (never blocks a cancellation).
+        ``always``: also with ``abort_on_cancel`` off (a guard's cut: the answer is thrown away)."""
+        if not (self._server.abort_on_cancel or always) or ep.sglang is False:  # /abort_request is SGLang's own
             return
         task = asyncio.get_running_loop().create_task(self._abort(ep, rid))
         self._aborts.add(task)
@@ -157,16 +165,76 @@ class SGLangClient:
             log.warning("dataset %s: features.vllm.single_pass at temperature %s: vLLM's CPU build samples garbage "
                         "with extract_hidden_states above 0 (docs/vllm.md); its GPU build samples right",
                         payload.dataset, payload.sampling.temperature)
-        path, body = build_request(self._server, payload, rid, sglang=kind == server_kind.SGLANG, model=model)
+        # features.vllm.single_pass reads kv_transfer_params off the one JSON answer: never streamed.
+        stream = self._server.stream and payload.hidden_states_dir is None and ep.url not in self._unstreamed
+        path, body = build_request(self._server, payload, rid, sglang=kind == server_kind.SGLANG, model=model,
+                                   stream=stream, continuous_usage=kind in _CONTINUOUS_USAGE_KINDS)
 
         async def read(resp: aiohttp.ClientResponse, started: float) -> Completion:
+            if stream and resp.status == 200 and (resp.content_type or "").startswith("text/event-stream"):
+                return await self._read_stream(ep, path, resp, started, model, rid, kind == server_kind.SGLANG)
+            # An error status, or a server that answered a stream request with one JSON body: read as such.
             try:
                 data = await resp.json(content_type=None)
             except ValueError:
                 data = await resp.text()
             return replace(self._read(ep, path, resp.status, data, started, resp.content_type), model=model)
 
-        return await self._post(ep, path, body, rid, read)
+        try:
+            return await self._post(ep, path, body, rid, read)
+        except NoStreamUsage:
+            # The answer came whole but uncounted: the same request again, unstreamed, is counted exactly
+            # (the server held no state for the finished stream). Its tokens are generated twice, once.
+            self._unstreamed.add(ep.url)
+            log.warning("%s streams answers without token counts (%s): its requests are no longer streamed (no loop "
+                        "guard, no tokens so far for the end game); set server.stream: false for it", ep.url,
+                        "no usage chunk for stream_options.include_usage")
+            return await self._once(ep, payload, rid)
+
+    async def _read_stream(self, ep: Endpoint, path: str, resp: aiohttp.ClientResponse, started: float,
+                           model: str, rid: str, sglang: bool) -> Completion:
+        """A streamed answer (worker/sglang_stream.py), chunk by chunk as the socket gives them.
+
+        The job's ``Watch`` sees the tokens so far after every read and feeds its guard each chunk's
+        new text; a verdict ends the request at the engine at once (SGLang: /abort_request for the rid,
+        which stops it within a scheduler step; every server: the connection is dropped, which vLLM
+        and llama.cpp take as an abort) and the answer so far comes back marked ``discard``.
+        """
+        watch = WATCH.get()
+        guard = watch.guard() if watch is not None and watch.guard is not None else None
+        progress = watch.on_progress if watch is not None else None
+        dec = StreamDecoder(self._server.api, ep.url, started, model,
+                            on_delta=guard.feed if guard is not None else None)
+        parser = SSEParser()
+        try:
+            async for chunk in resp.content.iter_any():
+                events = parser.feed(chunk)
+                if not events:
+                    continue
+                dec.feed(events)
+                if progress is not None:
+                    progress(dec.tokens)
+                if dec.cut is not None:
+                    if sglang or ep.sglang:
+                        self._abort_later(ep, rid, always=True)
+                    resp.close()   # drop the connection: the server's disconnect handling aborts it too
+                    return replace(dec.result(cut=True), discard=verdict_details(guard, dec.cut))
+                if dec.done:
+                    break
+            out = dec.result()
+        except (AbortedResponseError, DuplicateRidError, NoStreamUsage):  # the server answered: not a fault
+            raise
+        except (FatalRequestError, RetryableRequestError) as exc:  # an error chunk after the 200, or a cut
+            self.pool.fault(ep, "truncated answer" if isinstance(exc, StreamCut) else "error in the stream",
+                            str(exc))
+            if isinstance(exc, RetryableRequestError):
+                self._abort_later(ep, rid)
+            raise
+        except BadResponseError as exc:   # not JSON, or no token counts at all: this server cannot stream
+            self.pool.fault(ep, "unexpected JSON answer", str(exc))
+            raise
+        self.pool.answered(ep)
+        return out
 
     def _read(self, ep: Endpoint, path: str, status: int, data: object, started: float,
               content_type: str | None = None) -> Completion:

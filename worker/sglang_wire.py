@@ -64,6 +64,9 @@ class Completion:
     model: str = ""             # the model name the request carried (the row's "model")
     # features.vllm.single_pass: the file vLLM wrote this request's hidden states to (its kv_transfer_params).
     hidden_states_file: str | None = None
+    # (reason, details) when a guard cut the stream (worker/degeneration.py's LoopGuard): the answer so
+    # far, finish_reason "abort", its tokens counted (it was generated) but never a kept row.
+    discard: tuple[str, dict] | None = None
 
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
@@ -116,7 +119,7 @@ def invalid_request(status: int, body: object) -> bool:
 
 
 def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: bool = True,
-                  model: str | None = None) -> tuple[str, dict]:
+                  model: str | None = None, stream: bool = False, continuous_usage: bool = False) -> tuple[str, dict]:
     """Path and JSON body of one request, in SGLang's terms (``sglang``) or plain OpenAI ones.
 
     SGLang gets the same explicit sampling on both APIs (shared/sampling.py: its chat route
@@ -126,6 +129,9 @@ def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: b
     OpenAI's names: llama.cpp's server reads ``max_tokens`` (it ignores max_completion_tokens
     and would generate to its context's end), newer servers ``max_completion_tokens``.
     ``model``: the endpoint's model name (``Endpoint.model``); else ``server.model`` or ``default``.
+    ``stream``: SSE (worker/sglang_stream.py); chat then asks for the final usage chunk
+    (``stream_options.include_usage``: the exact counts) and, with ``continuous_usage`` (SGLang, vLLM:
+    ``continuous_usage_stats``), the tokens so far on every chunk.
     """
     sp = payload.sampling
     params: dict = dict(explicit(sp, sglang))
@@ -135,10 +141,13 @@ def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: b
         body: dict = {"model": model or server.model or SGLANG_MODEL,
                       "messages": [m.model_dump() for m in payload.messages]}
         if sglang:
-            body.update({"max_completion_tokens": sp.max_tokens, **params, "rid": rid, "stream": False})
+            body.update({"max_completion_tokens": sp.max_tokens, **params, "rid": rid, "stream": stream})
         else:
             body.update({"max_tokens": sp.max_tokens, "max_completion_tokens": sp.max_tokens, **params,
-                         "stream": False})
+                         "stream": stream})
+        if stream:
+            body["stream_options"] = {"include_usage": True, **({"continuous_usage_stats": True}
+                                                               if continuous_usage else {})}
         if sp.seed is not None:
             body["seed"] = sp.seed
         if payload.chat_template_kwargs:
@@ -151,11 +160,12 @@ def build_request(server: ServerConfig, payload: JobPayload, rid: str, sglang: b
     if sp.seed is not None:
         params["sampling_seed"] = sp.seed
     params.update(sp.extra)
+    more = {"stream": True} if stream else {}
     if payload.input_ids is not None:
-        return "/generate", {"input_ids": payload.input_ids, "rid": rid, "sampling_params": params}
+        return "/generate", {"input_ids": payload.input_ids, "rid": rid, "sampling_params": params, **more}
     # No tokenizer (a job enqueued by hand): a plain-text transcript.
     text = "".join(f"{m.role}: {m.content}\n" for m in payload.messages) + "assistant: "
-    return "/generate", {"text": text, "rid": rid, "sampling_params": params}
+    return "/generate", {"text": text, "rid": rid, "sampling_params": params, **more}
 
 
 def engine_file_params(directory: str, rid: str) -> dict:
@@ -172,7 +182,7 @@ def _engine_file(body: dict) -> str | None:
     return path if isinstance(path, str) and path else None
 
 
-def _check_finish(kind: str, detail: dict, url: str) -> None:
+def check_finish(kind: str, detail: dict, url: str) -> None:
     """A response that did not end in stop/length is not a result: never commit it.
 
     SGLang answers 200 with ``finish_reason`` abort when a request was aborted without an
@@ -210,7 +220,7 @@ def parse_response(api: str, body: dict, url: str, started: float) -> Completion
                              kind, url, time.monotonic() - started, int(meta.get("cached_tokens") or 0))
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise BadResponseError(f"unexpected response from {url}: {exc!r}: {str(body)[:300]}") from exc
-    _check_finish(kind, detail, url)
+    check_finish(kind, detail, url)
     return out
 
 

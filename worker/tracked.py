@@ -8,9 +8,16 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from budgetq.shared.jobs import Claimed, Skip
 from budgetq.shared.schema import JobPayload
+
+
+class DecodeRate(Protocol):
+    """What ``Tracked.generated`` needs of worker/estimator.py's LengthModel (tracked.py stays a leaf)."""
+
+    def generated_so_far(self, elapsed_s: float) -> float: ...
 
 
 class Phase(enum.Enum):
@@ -41,7 +48,10 @@ class Tracked:
     payload: JobPayload | None = None
     task: asyncio.Task | None = None
     started_at: float = field(default_factory=time.time)
-    admitted_at: float = 0.0
+    admitted_at: float = 0.0   # when its request (of a regenerate: all job, its current one) was sent
+    # The request's tokens so far as its stream says (worker/sglang_stream.py ``Watch``); None while nothing
+    # was streamed (server.stream false, or no chunk yet): then they are estimated from elapsed time.
+    streamed: int | None = None
     reserved: int = 0
     prompt_tokens: int = 0
     abort_reason: Abort | None = None
@@ -55,6 +65,25 @@ class Tracked:
     @property
     def job_id(self) -> str:
         return self.claimed.job_id
+
+    def progressed(self, tokens: int) -> None:
+        """The stream's tokens so far (called after every read of its socket)."""
+        self.streamed = tokens
+
+    def new_request(self) -> None:
+        """A request of this job is being sent: its own clock and progress start now."""
+        self.admitted_at = time.monotonic()
+        self.streamed = None
+
+    def generated(self, length: DecodeRate, now: float | None = None) -> float:
+        """Tokens its running request has made: what the stream said, else elapsed time x the decode rate.
+
+        The stream's count is exact and current: the estimate is wrong in both directions (a request
+        queued behind others has made none yet, a short one at a fast server more than the mean rate),
+        and the end game's taper reserves by it (worker/control.py, worker/estimator.py)."""
+        if self.streamed is not None:
+            return float(self.streamed)
+        return length.generated_so_far((time.monotonic() if now is None else now) - self.admitted_at)
 
     def cancel(self, reason: Abort, force: bool = False) -> None:
         """Cancel this job's task; a result being committed is only interrupted when forced."""

@@ -52,15 +52,18 @@ def settings_from_args(args: argparse.Namespace):
     from budgetq.simulator.faults import parse_codes
     from budgetq.simulator.model import SimSettings
 
-    for name in ("error_rate", "spike_rate", "drop_rate", "reasoning_tokens_frac"):
+    for name in ("error_rate", "spike_rate", "drop_rate", "reasoning_tokens_frac", "loop_fraction",
+                 "empty_fraction", "unclosed_fraction"):
         value = getattr(args, name)
         if not 0.0 <= value <= 1.0:
             raise BudgetqError(f"--{name.replace('_', '-')} {value}: must be between 0 and 1")
+    if args.loop_fraction + args.empty_fraction + args.unclosed_fraction > 1.0:
+        raise BudgetqError("--loop-fraction + --empty-fraction + --unclosed-fraction: must be at most 1")
     for name in ("peak_tok_s", "prefill_tok_s", "length_mean", "speedup"):
         if getattr(args, name) <= 0:
             raise BudgetqError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be > 0")
     for name, low in (("max_running_requests", 1), ("max_queued_requests", 0), ("context_length", 2),
-                      ("keep_records", 0)):
+                      ("keep_records", 0), ("stream_interval", 1), ("loop_period", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise BudgetqError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
@@ -91,7 +94,9 @@ def settings_from_args(args: argparse.Namespace):
         max_total_num_tokens=args.max_total_num_tokens, generation_config=_generation_config(args.generation_config),
         radix_cache=args.radix_cache, enable_cache_report=args.enable_cache_report,
         return_hidden_states_mode=_hidden_mode(args), hidden_size=args.hidden_size,
-        aux_layers=3 if args.enable_return_aux_hidden_states else 0)
+        aux_layers=3 if args.enable_return_aux_hidden_states else 0, stream_interval=args.stream_interval,
+        incremental_streaming_output=args.incremental_streaming_output, loop_fraction=args.loop_fraction,
+        loop_period=args.loop_period, empty_fraction=args.empty_fraction, unclosed_fraction=args.unclosed_fraction)
 
 
 def _hidden_mode(args: argparse.Namespace) -> str | None:
@@ -157,6 +162,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model", "--served-model-name", dest="model", default="sim-model")
     g.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (not on /health*, /metrics)")
     g.add_argument("--stream-interval-s", type=float, default=0.05, help="at most one stream chunk per this (wall s)")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="SGLang's: a streamed request sends its output every this many tokens (and at its end)")
+    g.add_argument("--incremental-streaming-output", action="store_true",
+                   help="SGLang's: a streamed /generate sends only each chunk's new text and output_ids")
+    g = sp.add_argument_group("degenerate answers (by seed and rid: a prompt sent again with another seed redraws)")
+    g.add_argument("--loop-fraction", type=float, default=0.0,
+                   help="answers that fall into an exact cycle of --loop-period tokens, until max_tokens")
+    g.add_argument("--loop-period", type=int, default=8, help="tokens in one cycle of a looping answer")
+    g.add_argument("--empty-fraction", type=float, default=0.0, help="answers with no content")
+    g.add_argument("--unclosed-fraction", type=float, default=0.0,
+                   help="answers whose reasoning never closes (no final answer)")
     g.add_argument("--keep-records", type=int, default=200_000, help="records /sim/requests keeps")
     g.add_argument("--enable-return-hidden-states", action="store_true",
                    help="allow return_hidden_states on /generate (SGLang's legacy flag: mode full)")

@@ -42,7 +42,8 @@ def datasets_table(snap: dict[str, Any]) -> Table:
               caption_justify="left")
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
         ("dataset", "left"), ("state", "left"), ("used / budget", "left"), ("used", "right"), ("budget", "right"),
-        ("in flight", "right"), ("queued", "right"), ("running", "right"), ("rows", "right"), ("skipped", "right"),
+        ("in flight", "right"), ("queued", "right"), ("running", "right"), ("rows", "right"), ("discarded", "right"),
+        ("skipped", "right"),
         ("failed", "right"), ("unread", "right"), ("invalid", "right"), ("ledger", "left"), ("tok/s", "right"),
         ("ETA", "right"), ("stop", "left"))
     for col, just in columns:
@@ -51,12 +52,38 @@ def datasets_table(snap: dict[str, Any]) -> Table:
         led = d["ledger"]
         t.add_row(d["dataset"], Text(d["state"], style=_STATE_STYLE.get(d["state"], "")), text_bar(d["used_pct"]),
                   f"{d['used']:,}", format_tokens(d["budget"]), f"{d['in_flight']:,}", f"{led['queued']:,}",
-                  f"{led['running']:,}", f"{led['rows'] + led['truncated']:,}",
+                  f"{led['running']:,}", f"{led['rows'] + led['truncated']:,}", f"{led.get('discarded', 0):,}",
                   f"{led['skipped']:,}", f"{led['failed']:,}", unread_cell(led), f"{led['invalid']:,}",
                   ledger_cell(led), "-" if d["tok_s"] is None else f"{d['tok_s']:,.0f}",
                   format_eta(d["eta_s"], d.get("eta_by")), d.get("stop", "-"))
     if not snap["datasets"]:
         t.add_row("(no dataset registered)", *[""] * (len(columns) - 1))
+    return t
+
+
+def reasons_cell(by_reason: dict[str, dict[str, int]] | None) -> str:
+    """``loop 3 (41,200), empty 1 (0)``: discarded answers and their tokens, by reason."""
+    if not by_reason:
+        return "-"
+    return ", ".join(f"{r} {v['answers']:,} ({v['tokens']:,})" for r, v in by_reason.items())
+
+
+def tokens_table(snap: dict[str, Any]) -> Table:
+    """Spent (every token the servers generated) beside kept (the rows' tokens), and where the rest
+    went: truncated, discarded by reason, wasted (aborted or rejected). ``budget counts`` says which
+    of spent and kept the dataset's budget bounds (docs/budget.md "Spent and kept")."""
+    t = Table(title="tokens: spent and kept", title_justify="left", expand=False)
+    for col in ("dataset", "budget counts", "spent", "kept", "kept/spent", "truncated", "discarded", "wasted",
+                "discarded by reason: answers (tokens)"):
+        t.add_column(col, justify="left" if col in ("dataset", "budget counts") or col.startswith("discarded by")
+                     else "right", no_wrap=True)
+    for d in snap["datasets"]:
+        tok = d.get("tokens", {})
+        spent, kept = tok.get("spent", tok.get("generated", 0)), tok.get("kept", 0)
+        t.add_row(d["dataset"], d.get("budget_counts", "kept"), f"{spent:,}", f"{kept:,}",
+                  f"{kept / spent:.3f}" if spent else "-", f"{tok.get('truncated', 0):,}",
+                  f"{tok.get('discarded', 0):,}", f"{tok.get('wasted', 0):,}",
+                  reasons_cell(d.get("discarded_by_reason")))
     return t
 
 
@@ -96,7 +123,7 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
     """The final summary of ``budgetq produce``: where every row of each dataset's file is (the
     ledger's states as ``status`` shows them, then the rows never enqueued: invalid, filtered,
     unread), what happened on the way, and why it stopped. Optional columns appear when not zero."""
-    optional = [c for c in ("truncated", "running") if any(r.get(c) for r in rows)]
+    optional = [c for c in ("truncated", "discarded", "running") if any(r.get(c) for r in rows)]
     table = Table(title="budgetq summary", caption=RUNNING_VS_IN_FLIGHT if "running" in optional else None,
                   caption_justify="left")
     unbalanced = any(r["unaccounted"] for r in rows)  # 0 or None (state older than the ledger): hidden
@@ -106,9 +133,10 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
     cols = ["dataset", "budget", "used", "used/budget", "rows", *optional, "skipped", "failed", "queued",
             "unread", "invalid", "of them duplicate ids", "filtered", "file rows",
             *(["unaccounted"] if unbalanced else []),
-            "aborted (requeued)", "wasted", "stop"]
+            "aborted (requeued)", "wasted", "spent", "kept", "discarded by reason: answers (tokens)", "stop"]
     for col in cols:
-        table.add_column(col, justify="left" if col in ("dataset", "stop") else "right")
+        left = col in ("dataset", "stop") or col.startswith("discarded by")
+        table.add_column(col, justify="left" if left else "right")
     for r in rows:
         ratio = f"{r['used'] / r['budget']:.4f}" if r["budget"] else "-"
         source = r.get("source_rows")
@@ -117,7 +145,8 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
                  unread_cell(r), f"{r['invalid']:,}", f"{r['duplicate_ids']:,}", f"{r['filtered']:,}",
                  "?" if source is None else ("~" if r.get("unread_estimated") else "") + f"{source:,}",
                  *([f"{r['unaccounted']:,}" if r["unaccounted"] is not None else "-"] if unbalanced else []),
-                 f"{r['aborted']:,}", f"{r['wasted_tokens']:,}", r["stop"]]
+                 f"{r['aborted']:,}", f"{r['wasted_tokens']:,}", f"{r.get('spent_tokens', 0):,}",
+                 f"{r.get('kept_tokens', 0):,}", reasons_cell(r.get("discarded_by_reason")), r["stop"]]
         table.add_row(*cells)
     return table
 
@@ -214,8 +243,8 @@ def render(snap: dict[str, Any]) -> RenderableType:
         f"  used {format_tokens(tot['used'])} / {format_tokens(tot['budget'])}",
         f"  {tot['tok_s']:,.0f} tok/s  in flight {tot['in_flight']:,}",
         f"  workers {tot['workers']} ({tot['worker_slots']:,} slots)")
-    parts: list[RenderableType] = [head, datasets_table(snap), *hold_lines(snap), workers_table(snap),
-                                   endpoints_table(snap)]
+    parts: list[RenderableType] = [head, datasets_table(snap), tokens_table(snap), *hold_lines(snap),
+                                   workers_table(snap), endpoints_table(snap)]
     stall = snap.get("stall")
     if stall and stall != snap.get("diagnosis"):  # no worker for the queued prompts (shared/server_faults.py)
         parts.insert(1, Text(stall, style="bold red"))

@@ -3,11 +3,9 @@
 Reads every dataset with the producer's own reader (``read_prompts``: same mapping, filters,
 tokenizer and limits as a run), streaming, and counts valid, invalid (by reason) and filtered
 rows as the producer's summary does (producer/reading/tally.py: a repeated id is an invalid
-row, the first row with an id wins), prompt lengths, and what the budget buys at
-``prior_mean_tokens``.
-It then asks Redis (reads only: a read-only ACL user is enough) how far a previous run got,
-and each server what it serves. The server probe is passed in (``probe``): the one SGLang
-HTTP client lives on the worker side, which the producer never imports.
+row, the first row with an id wins), prompt lengths, and what the budget buys at ``prior_mean_tokens``.
+It then asks Redis (reads only: a read-only ACL user is enough) how far a previous run got, and each
+server what it serves (``probe``, passed in: the HTTP client is the worker's, never imported here).
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from typing import Any
 
 import redis
 
+from budgetq.producer.ops.check_quality import quality_line, samples_lines
 from budgetq.producer.reading.mapping import prompt_chars
 from budgetq.producer.reading.reader import DUPLICATE, Invalid, Prompt, read_prompts
 from budgetq.producer.reading.tally import RowTally
@@ -33,6 +32,7 @@ from budgetq.shared.errors import BudgetqError, ConfigError
 from budgetq.shared.logs import redact_url
 from budgetq.shared.redis_conn import connect_once, describe
 from budgetq.shared.server_kind import SGLANG_MODEL
+from budgetq.shared.stats import Stat
 from budgetq.shared.tokens import format_tokens
 
 # "row 12: field 'prompt' is empty" and "field 'prompt' is empty" are one reason; so are
@@ -105,6 +105,8 @@ class DatasetCheck:
     # From Redis, if a run already started: tokens counted and prompts done.
     used: int | None = None
     done: int | None = None
+    discarded: int = 0   # of the done prompts, those that ended discarded (guard or gate)
+    quality: str = ""    # the guard, gates, retry_discarded and budget_counts, in one line (quality_line)
     error: str | None = None
     # Derived by finish():
     unique: int = 0   # = valid (kept for readers of --json from before valid meant unique ids)
@@ -153,6 +155,7 @@ def check_dataset(ds: DatasetConfig, cfg: Config) -> DatasetCheck:
     """Stream ``ds`` through the producer's reader and count what a run would see."""
     out = DatasetCheck(ds.name, ds.path, ds.budget or 0, ds.mode, ds.count, ds.prior_mean, ds.answers_max,
                        ds.samples == "auto")
+    out.quality = quality_line(ds)
     if ds.regenerate == "all":
         out.requests = Stats()
     started = time.perf_counter()
@@ -204,6 +207,7 @@ def check_redis(cfg: Config, datasets: list[DatasetCheck], timeout_s: float) -> 
                 used = conn.get(keys.used_key(d.name))
                 d.used = int(used) if used is not None else None
                 d.done = int(conn.scard(keys.done_key(d.name))) if used is not None else None
+                d.discarded = int(conn.hget(keys.stats_key(d.name), Stat.DISCARDED) or 0) if used is not None else 0
         finally:
             conn.close()
     except (redis.RedisError, ValueError) as exc:  # ValueError: a URL redis-py cannot parse
@@ -347,22 +351,18 @@ def format_report(r: CheckReport) -> str:
             lines.append(f"    invalid: {n:,} x {d.first_reason[key]} (first at {d.position} {d.first_at[key]})")
         tokens = _stats(d.prompt_tokens) if d.prompt_tokens else "not counted (no server.tokenizer)"
         lines.append(f"  prompt chars: {_stats(d.prompt_chars)}; prompt tokens: {tokens}")
+        if d.quality:
+            lines.append(f"  {d.quality}")
         if d.requests is not None:
             rq = d.requests
             lines.append(f"  regenerate: all: requests per conversation: mean {rq.mean or 0:.2f}, min {rq.min}, "
                          f"max {rq.max} ({rq.total:,} in all; prompt chars count each user turn once, prompt tokens "
                          "are summed over the requests, before the model's answers join the context)")
-        if d.auto:
-            per = d.responses_needed / d.unique if d.unique else 0.0
-            lines.append(f"  samples: auto (max_samples {d.samples}): the budget needs ~{per:,.2f} answers per prompt "
-                         f"at prior_mean_tokens ({math.ceil(per) if per else 0} rounds over {d.unique:,} prompts)"
-                         + (f"; the cap binds: {d.samples} answers a prompt end it short of its budget"
-                            if d.runs_out else ""))
-        elif d.samples > 1:
-            lines.append(f"  samples: {d.samples} answers per prompt: {d.unique * d.samples:,} answers from "
-                         f"{d.unique:,} prompts (ids <id>, <id>#2 ... <id>#{d.samples})")
+        lines += samples_lines(d.auto, d.samples, d.unique, d.responses_needed, d.runs_out)
         done_what = "answers" if d.samples > 1 else "prompts"
-        so_far = f"; {format_tokens(d.used)} used and {d.done:,} {done_what} done already" if d.used is not None else ""
+        discarded = f" ({d.discarded:,} of them discarded by the guard or a gate)" if d.discarded else ""
+        so_far = (f"; {format_tokens(d.used)} used and {d.done:,} {done_what} done already{discarded}"
+                  if d.used is not None else "")
         lines.append(f"  budget {format_tokens(d.budget)} ({d.mode}, count {d.count}){so_far}: "
                      f"~{d.responses_needed:,} {'conversations' if d.requests else 'responses'} at "
                      f"prior_mean_tokens {d.prior_mean_tokens:,}")

@@ -117,9 +117,9 @@ def _ledger(run: RunData, plots: Any) -> str:
     states = ledger_states(run)
 
     def value(d: DsReport, s: str) -> int | None:
-        if s == "discarded":
-            return sum((d.discarded or {}).values())
         v = (d.ledger or {}).get(s)
+        if s == "discarded" and isinstance(v, dict):  # a ledger that kept them by reason: its prompts
+            return sum(int(n) for n in v.values())
         return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
     values = {s: [value(d, s) or 0 for d in have] for s in states}
@@ -145,12 +145,12 @@ def _waste(run: RunData, plots: Any) -> str:
     disc = [(d.name, reason, n) for d in run.datasets for reason, n in (d.discarded or {}).items()]
     if disc:
         out += plots.discarded(disc) + h.table(
-            "discarded", ["dataset", "reason", "prompts"],
-            [({"ds": ds, "reason": r}, [("dataset", ds), ("reason", r), ("prompts", n)])
+            "discarded", ["dataset", "reason", "answers"],
+            [({"ds": ds, "reason": r}, [("dataset", ds), ("reason", r), ("answers", n)])
              for ds, r, n in disc])
     else:
-        out += ('<p id="discarded-none" class="muted">discarded by reason: none recorded (the ledger has no '
-                "discarded state: this budgetq discards no answer)</p>")
+        out += ('<p id="discarded-none" class="muted">discarded answers: none (the loop guard and the quality '
+                "gates refused no answer; docs/datasets.md \"Guard and gates\")</p>")
     inv: list[tuple[dict[str, Any], list[h.Cell]]] = [
         ({"ds": d.name}, [("dataset", d.name), ("reason", r), ("rows", n)])
         for d in run.datasets for r, n in d.invalid.most_common()]

@@ -41,10 +41,11 @@ class DsReport:
     wasted: int | None = None
     used: int | None = None
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, used, budget)
+    by_reason: dict[str, int] | None = None   # discarded answers by reason (commit.lua's discards hash)
 
     @property
     def discarded(self) -> dict[str, int] | None:
-        return discarded_by_reason(self.ledger)
+        return dict(self.by_reason) if self.by_reason else discarded_by_reason(self.ledger)
 
     @property
     def answers(self) -> int:
@@ -162,16 +163,23 @@ def discarded_by_reason(ledger: dict[str, Any] | None) -> dict[str, int] | None:
     v = (ledger or {}).get("discarded")
     if isinstance(v, dict):
         return {str(k): int(n) for k, n in v.items() if number(n)}
-    if number(v):
+    if number(v) and int(v or 0) > 0:
         return {"(all reasons)": int(v or 0)}
     return None
 
 
+def answers_by_reason(raw: dict[str, Any] | None) -> dict[str, int] | None:
+    """status's ``discarded_by_reason`` ({reason: {"answers", "tokens"}}) as {reason: answers}."""
+    if not isinstance(raw, dict):
+        return None
+    return {str(k): int(v.get("answers") or 0) for k, v in raw.items() if isinstance(v, dict)}
+
+
 def _from_redis(conn: redis.Redis, names: list[str]) -> dict[str, Any]:
-    from budgetq.shared import presence, run_plan
+    from budgetq.shared import keys, presence, run_plan
     from budgetq.shared.budget import dataset_state
     from budgetq.shared.ledger import read_ledgers
-    from budgetq.shared.stats import Stat
+    from budgetq.shared.stats import Stat, discards_by_reason
     from budgetq.shared.status import control_entries
 
     ledgers = read_ledgers(conn, names)
@@ -186,7 +194,8 @@ def _from_redis(conn: redis.Redis, names: list[str]) -> dict[str, Any]:
             "budget": {n: s.limit for n, s in states.items()},
             "wasted": {n: s.stats.get(Stat.WASTED_TOKENS, 0) for n, s in states.items()},
             "events": events, "producer": presence.read(conn), "managed": run_plan.read_settings(conn).managed,
-            "weights": run_plan.read_settings(conn).weights}
+            "weights": run_plan.read_settings(conn).weights,
+            "discards": {n: answers_by_reason(discards_by_reason(conn.hgetall(keys.discards_key(n)))) for n in names}}
 
 
 # Without Redis, a run log whose last line is this recent is taken for a run still going (a
@@ -272,11 +281,13 @@ def gather(cfg: Config, conn: redis.Redis | None, keep: bool = False) -> RunData
         if live is not None:
             r.ledger, r.used, r.wasted = live["ledgers"][n], live["used"][n], live["wasted"][n]
             r.weight, r.budget = live["weights"].get(n, r.weight), live["budget"][n]
+            r.by_reason = live["discards"][n]
         else:   # Redis gone: the last word the run log has
             r.ledger = seen.get("ledger") or end_rows.get(n)
             r.used = seen.get("used")
             r.wasted = (seen.get("tokens") or {}).get("wasted", end_rows.get(n, {}).get("wasted_tokens"))
             r.weight, r.budget = seen.get("weight", r.weight), seen.get("budget", r.budget)
+            r.by_reason = answers_by_reason(seen.get("discarded_by_reason"))
         # Rows the run counted but the directory lacks: a partial copy. (While a producer runs, its
         # newest rows may not be collected yet, so only a run that is not going is checked.)
         said = int((r.ledger or {}).get("rows") or 0)

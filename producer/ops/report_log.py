@@ -123,7 +123,8 @@ class RunLog:
         snaps = dataset_snapshots(self.conn, self.names, now, history_s=0)
         ds = {s["dataset"]: {"used": s["used"], "budget": s["budget"], "state": s["state"], "paused": s["paused"],
                              "in_flight": s["in_flight"], "rows": s["ledger"]["rows"], "tok_s": s["tok_s"],
-                             "tokens": s["tokens"], "ledger": s["ledger"], "weight": settings.weight(s["dataset"])}
+                             "tokens": s["tokens"], "ledger": s["ledger"], "weight": settings.weight(s["dataset"]),
+                             "discarded_by_reason": s.get("discarded_by_reason")}
               for s in snaps}
         return {"kind": "sample", "t": time.time(), "workers": live_workers(self.conn),
                 "deadline": settings.deadline, "total": settings.total_budget, "ds": ds}

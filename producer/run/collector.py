@@ -1,6 +1,9 @@
 """Move committed results from Redis streams into out/<dataset>.jsonl, never twice.
 
-Rows kept aside (keep=complete and cut by max_tokens) go to out/<dataset>.truncated.jsonl.
+Rows kept aside (keep=complete and cut by max_tokens) go to out/<dataset>.truncated.jsonl; answers
+the guard or a quality gate discarded to out/<dataset>.discarded.jsonl, each with its ``discard``
+(reason, details, token counts). A prompt sent again (retry_discarded) has one discarded row per
+refused attempt, told apart by ``discard.key``, and may still end as a row of the dataset.
 The stream cursor is saved only after the rows are flushed and fsynced; if the producer
 dies in between, the ids already in the files are loaded at start and skipped. A torn last
 line (a crash mid-write) is cut off at start: its entry is still in the stream. A write that
@@ -23,7 +26,9 @@ from budgetq.shared import keys
 from budgetq.shared.redis_conn import StreamEntries, stream_entries, text
 
 log = logging.getLogger("budgetq.collector")
-KINDS = {"row": "{ds}.jsonl", "truncated": "{ds}.truncated.jsonl"}
+KINDS = {"row": "{ds}.jsonl", "truncated": "{ds}.truncated.jsonl", "discarded": "{ds}.discarded.jsonl"}
+# Kinds whose rows end a prompt: one row per prompt id across their files (a discarded attempt does not).
+ENDING = ("row", "truncated")
 
 
 def output_paths(out_dir: Path, ds: str) -> dict[str, Path]:
@@ -53,14 +58,21 @@ def _cut_torn_tail(path: Path) -> None:
     log.warning("%s: cut a torn last line (the producer died mid-write); its row is collected again", path)
 
 
-def ids_in(path: Path) -> set[str]:
+def discard_key(obj: dict) -> str:
+    """What tells one discarded attempt from another (worker/discard.py ``discard_row``)."""
+    key = obj.get("discard", {}).get("key") if isinstance(obj.get("discard"), dict) else None
+    return str(key) if key else f"{obj['id']}#discarded"
+
+
+def ids_in(path: Path, discarded: bool = False) -> set[str]:
     ids: set[str] = set()
     if path.exists():
         with open(path, encoding="utf-8") as fh:
             for line in fh:
                 try:
-                    ids.add(json.loads(line)["id"])
-                except (ValueError, KeyError, TypeError):
+                    obj = json.loads(line)
+                    ids.add(discard_key(obj) if discarded else obj["id"])
+                except (ValueError, KeyError, TypeError, AttributeError):
                     continue
     return ids
 
@@ -71,12 +83,16 @@ class Collector:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.paths = {ds: output_paths(out_dir, ds) for ds in datasets}
         self.seen: dict[str, set[str]] = {}
+        self.seen_discarded: dict[str, set[str]] = {}   # discard keys: one row per discarded attempt
         for ds, paths in self.paths.items():
             self.seen[ds] = set()
-            for path in paths.values():
+            for kind, path in paths.items():
                 _cut_torn_tail(path)
-                self.seen[ds] |= ids_in(path)
+                if kind in ENDING:
+                    self.seen[ds] |= ids_in(path)
+            self.seen_discarded[ds] = ids_in(paths["discarded"], discarded=True)
         self.written = {ds: 0 for ds in datasets}
+        self.discarded = {ds: 0 for ds in datasets}   # discarded rows written this run
         self.cut_kept = {ds: 0 for ds in datasets}   # rows written this run with finish_reason "length"
         # Request latencies (each row's latency_s) of the rows written this run: the end-of-run block.
         self.latency = {ds: Reservoir() for ds in datasets}
@@ -117,15 +133,23 @@ class Collector:
                           "torn tail, and writes the rows again)", str(self.torn))
         chunks: dict[str, list[str]] = {}
         added: list[str] = []
+        added_discarded: list[str] = []
         latencies: list[float] = []
         cut = 0
         for _eid, fields in entries:
             row = fields[b"row"].decode()
             obj = json.loads(row)
             pid = obj["id"]
+            kind = fields.get(b"kind", b"row").decode()
+            if kind == "discarded":
+                key = discard_key(obj)
+                if key not in self.seen_discarded[ds]:
+                    chunks.setdefault(kind, []).append(row + "\n")
+                    self.seen_discarded[ds].add(key)
+                    added_discarded.append(key)
+                continue
             if pid in self.seen[ds]:
                 continue
-            kind = fields.get(b"kind", b"row").decode()
             if kind == "row" and obj.get("finish_reason") == "length":
                 cut += 1   # keep=all: a cut answer in the training rows (summary says so)
             chunks.setdefault(kind, []).append(row + "\n")
@@ -145,6 +169,7 @@ class Collector:
                     os.fsync(fh.fileno())
         except OSError as exc:
             self.seen[ds].difference_update(added)
+            self.seen_discarded[ds].difference_update(added_discarded)
             for done, size in started.items():
                 self._truncate(done, size)
             raise OSError(exc.errno, exc.strerror, str(path)) from exc  # a write's error names no file
@@ -153,7 +178,8 @@ class Collector:
             self.latency[ds].add(lat)
             self.latency_all.add(lat)
         self.written[ds] += len(added)
-        return len(added)
+        self.discarded[ds] += len(added_discarded)
+        return len(added) + len(added_discarded)
 
     def _truncate(self, path: Path, size: int) -> None:
         """Cut ``path`` back to ``size`` bytes (needs no free space). If even that fails, a torn

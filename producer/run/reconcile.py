@@ -41,15 +41,28 @@ log = logging.getLogger("budgetq.reconcile")
 BATCH = 500
 
 
+# adopt.lua's markers for a row that ends its prompt without counting.
+TRUNCATED, DISCARDED = -1, -2
+
+
+def _final(row: dict, kind: str) -> bool:
+    """Whether the row ends its prompt: every row does but a discarded attempt that was sent again."""
+    return kind != "discarded" or not (isinstance(row.get("discard"), dict) and row["discard"].get("retried"))
+
+
 def _counted(ds: DatasetConfig, row: dict, kind: str) -> int:
     if kind == "truncated":
-        return -1  # kept aside: done, not counted
+        return TRUNCATED  # kept aside: done, not counted
+    if kind == "discarded":
+        return DISCARDED  # refused by the guard or a gate: done, not counted
     completion = int(row.get("completion_tokens", 0))
     return completion + int(row.get("prompt_tokens", 0)) if ds.count == "total" else completion
 
 
 def rows_on_disk(out_dir: Path, ds: DatasetConfig) -> Iterator[tuple[str, int, int]]:
-    """(prompt id, counted or -1, completion tokens) for every readable row of the dataset's output files."""
+    """(prompt id, counted or TRUNCATED / DISCARDED, completion tokens) for every readable row of the
+    dataset's output files that ends its prompt (a discarded attempt sent again does not: left out).
+    Rows first, so a prompt with a row is a row whatever else the files hold."""
     for kind, path in output_paths(out_dir, ds.name).items():
         if not path.exists():
             continue
@@ -57,12 +70,13 @@ def rows_on_disk(out_dir: Path, ds: DatasetConfig) -> Iterator[tuple[str, int, i
             for line_no, line in enumerate(fh, start=1):
                 try:
                     row = json.loads(line)
-                    yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
+                    if _final(row, kind):
+                        yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
                 except (ValueError, KeyError, TypeError) as exc:
                     log.warning("%s:%d: unreadable row skipped: %s", path, line_no, exc)
 
 
-_STATS = ("committed", "truncated", "sum_tokens", "sum_completion")
+_STATS = ("committed", "truncated", "discarded", "sum_tokens", "sum_completion")
 # Tries at a consistent read before giving up: each is undone by a commit or a collector write meanwhile.
 SETTLE_TRIES = 5
 
@@ -82,6 +96,8 @@ def _rows_in_stream(conn: redis.Redis, ds: DatasetConfig) -> Iterator[tuple[str,
     for _eid, fields in stream_entries(conn.xrange(keys.results_key(ds.name), min=f"({cursor}")):
         row = json.loads(fields[b"row"])
         kind = fields.get(b"kind", b"row").decode()
+        if not _final(row, kind):
+            continue
         yield str(row["id"]), _counted(ds, row, kind), int(row["completion_tokens"])
 
 
@@ -168,11 +184,15 @@ def reconcile(conn: redis.Redis, cfg: Config, ds: DatasetConfig, rebuild: bool =
                 pipe.watch(*watched)
                 have = _counters(conn, ds)
                 disk = {j: (c, n) for j, c, n in _first_rows(cfg, ds)}
-                stream = {j: (c, n) for j, c, n in _rows_in_stream(conn, ds) if j not in disk}
+                stream: dict[str, tuple[int, int]] = {}
+                for j, c, n in _rows_in_stream(conn, ds):
+                    if j not in disk:
+                        stream.setdefault(j, (c, n))  # the first: a row before a discarded line of the same prompt
                 everything = {**disk, **stream}
                 expected = sum(c for c, _n in everything.values() if c >= 0)
                 want = {"used": expected, "committed": sum(1 for c, _n in everything.values() if c >= 0),
-                        "truncated": sum(1 for c, _n in everything.values() if c < 0), "sum_tokens": expected,
+                        "truncated": sum(1 for c, _n in everything.values() if c == TRUNCATED),
+                        "discarded": sum(1 for c, _n in everything.values() if c == DISCARDED), "sum_tokens": expected,
                         "sum_completion": sum(n for _c, n in everything.values())}
                 # `used` always follows the files (it is what admissions read): after a commit that a failover
                 # lost and whose job then ran again with another length, the re-run counted its own tokens

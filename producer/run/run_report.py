@@ -23,7 +23,7 @@ from budgetq.shared import keys, run_plan
 from budgetq.shared.budget import dataset_state
 from budgetq.shared.ends import is_complete, mean_response, stop_reason
 from budgetq.shared.ledger import read_ledgers
-from budgetq.shared.stats import Stat
+from budgetq.shared.stats import Stat, discards_by_reason
 
 if TYPE_CHECKING:
     from budgetq.producer.run.collector import Collector
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 LATENCY_KEEP = 100_000   # latencies kept per dataset (and for the run): 0.8 MB each, quantiles to ~0.5%
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
-LEDGER_COLUMNS = ("queued", "running", "rows", "truncated", "skipped", "failed", "aborted", "invalid", "filtered",
-                  "unread", "unread_estimated", "source_rows")
+LEDGER_COLUMNS = ("queued", "running", "rows", "truncated", "discarded", "skipped", "failed", "aborted", "invalid",
+                  "filtered", "unread", "unread_estimated", "source_rows")
 
 
 class Reservoir:
@@ -100,6 +100,12 @@ def summary_rows(conn: redis.Redis, feeds: Sequence[Feed], collector: Collector,
             "rows_on_disk": collector.rows(name), "entered": ledger["entered"],
             "unaccounted": ledger["unaccounted"], "enqueued": f.enqueued, "already_done": f.already_done,
             "duplicate_ids": f.tally.duplicates, "wasted_tokens": st.stats.get(Stat.WASTED_TOKENS, 0),
+            # Spent (every token the servers generated) beside kept (the rows'), and discarded by reason.
+            "budget_counts": st.budget_counts, "spent_tokens": st.stats.get(Stat.GENERATED_TOKENS, 0),
+            "kept_tokens": st.stats.get(Stat.KEPT_TOKENS, 0),
+            "discarded_tokens": st.stats.get(Stat.DISCARDED_TOKENS, 0),
+            "discarded_by_reason": discards_by_reason(conn.hgetall(keys.discards_key(name))),
+            "discarded_written": collector.discarded[name],
             "stop": str(stop), "complete": is_complete(stop, ledger),
             "rows_written": collector.written[name], "tokens_this_run": tokens,
             "tok_s": round(tokens / elapsed, 1), "latency_s": collector.latency[name].quantiles(),
