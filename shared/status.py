@@ -254,7 +254,7 @@ def dataset_snapshots(conn: redis.Redis, names: Iterable[str], now: float,
 
 def _server_view(e: dict[str, Any]) -> dict[str, Any]:
     """What a worker found the server to be: its kind (shared/server_kind.py; null until asked), the
-    model its requests name, and its own load as the worker last read it (concurrency: auto)."""
+    model its requests name, and its own load as a worker last read it."""
     kind = e.get("kind") if e.get("kind") in server_kind.KINDS else None
     raw = e.get("load") if isinstance(e.get("load"), dict) else None
     load = None if raw is None else {

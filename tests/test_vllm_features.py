@@ -6,8 +6,8 @@ What the worker stores is compared with transformers' own float32 forward pass (
 token, per block (the target and each aux layer), by cosine: vLLM serves bf16, so bits cannot match, and the
 thresholds are the ones transformers' own bf16 pass meets; negative controls (a neighbouring layer, the last
 layer without the final norm) show the comparison can fail. Then the whole path: ``budgetq features`` and two
-``features-worker`` processes, one SIGKILLed mid-pass, each sample in exactly one shard, ``--check``, the
-``specforge-offline`` export read by SpecForge's own loader.
+``features-worker`` processes, one SIGKILLed mid-request (a fault point), each sample in exactly one shard,
+``--check``, the ``specforge-offline`` export read by SpecForge's own loader.
 
 Token counts stay small (SmolLM2's template, its default system prompt included: ~40-60 tokens a sample).
 """
@@ -32,16 +32,19 @@ from budgetq.hidden_states.capture.decode import from_dtype  # noqa: E402
 from budgetq.hidden_states.capture.vllm_backend import VllmBackend, read_engine_file, wait_written  # noqa: E402
 from budgetq.hidden_states.capture.vllm_layout import layout_for  # noqa: E402
 from budgetq.hidden_states.schema import FeaturesPayload  # noqa: E402
+from budgetq.hidden_states.store import fault_points  # noqa: E402
 from budgetq.hidden_states.store.shards import features_dir, index_rows  # noqa: E402
-from budgetq.shared import keys  # noqa: E402
 from budgetq.shared.config import Config  # noqa: E402
+from budgetq.shared.identity import encode_id  # noqa: E402
 from tests.helpers import PY, ROOT, Procs, wait_for  # noqa: E402
+from tests.metrics_proxy import MetricsProxy  # noqa: E402
 from tests.specforge_helper import SpecForgeUnavailable, load_specforge_offline  # noqa: E402
 from tests.test_features import run_features, write_rows  # noqa: E402
 from tests.test_features_store import exactly_once  # noqa: E402
 from tests.vllm_server import MODEL_NAME, hidden_states_server, run_dir, smollm2_hf_dir  # noqa: E402
 
-pytestmark = pytest.mark.timeout(1500)
+# Its own work only (func_only): not the shared server's start (tests/vllm_server.py START_TIMEOUT_S bounds that).
+pytestmark = pytest.mark.timeout(1500, func_only=True)
 HIDDEN, LAYERS = 576, 30
 AUX = [1, 14, 26]                    # SpecForge's default for 30 layers: outputs of decoder layers 1, 14, 26
 MEAN_MIN, TOKEN_MIN = 0.999, 0.98    # per block: mean per-token cosine, lowest per-token cosine
@@ -175,10 +178,14 @@ def test_hidden_states_equal_transformers_at_the_same_layers(hs_server, referenc
     assert pre_norm.mean() <= 0.9
 
 
-def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(hs_server, reference, tmp_path,
-                                                                               redis_url, conn):
+def test_features_pass_on_vllm_worker_killed_mid_request_then_specforge_reads_the_export(
+        hs_server, reference, tmp_path, redis_url, conn, monkeypatch):
+    """A features worker SIGKILLed mid-request (fault point vllm-mid-request: its prefill sent whole, the answer not
+    read), seen from tests/metrics_proxy.py between it and vLLM: vLLM served the request, the answer never reached
+    the worker, nothing was stored; after a restart that sample is prefilled once more and every other once."""
     url, model = hs_server
     _, fp32, _ = reference
+    proxy = MetricsProxy(url)
     store = tmp_path / "store"
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({
@@ -186,19 +193,29 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
         "server": {"urls": ["http://127.0.0.1:9"], "model": MODEL_NAME, "tokenizer": str(model)},
         "worker": {"heartbeat_ttl_s": 2},
         "features": {"backend": "vllm", "store": str(store), "concurrency": 2, "model": {"path": str(model)},
-                     "server": {"urls": [url]}},
+                     "server": {"urls": [proxy.url]}},
         "datasets": [{"name": "A", "path": str(tmp_path / "none.jsonl"), "budget": "1k"}]}))
     ids = write_rows(tmp_path / "out", "A", 6)
-    index = features_dir(store, "A") / "index.jsonl"
+    sample_of = {encode_id(i): i for i in ids}      # the engine file a prefill names starts with its sample's id
+
+    def prefilled() -> list[str]:
+        return [sample_of[Path(r.hidden_states_path or "").name.split(".")[0]] for r in proxy.requests
+                if r.path == "/v1/completions"]
+
+    d = features_dir(store, "A")
     procs = Procs(cfg, tmp_path)
     runner = subprocess.Popen([*PY, "features", "-c", str(cfg)], cwd=ROOT, env=dict(os.environ),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        victim = procs.start("features-worker")
-        wait_for(lambda: len(index_rows(index)) >= 2, 600, "the first samples indexed")
-        wait_for(lambda: conn.zcard(keys.rq_wip_key(keys.features_name("A"))) > 0, 120, "a claimed job")
-        victim.send_signal(signal.SIGKILL)
-        victim.wait(30)
+        monkeypatch.setenv(fault_points.ENV, fault_points.VLLM_MID_REQUEST)
+        victim = procs.start("features-worker", "--concurrency", "1")    # one request: the one it dies in
+        monkeypatch.delenv(fault_points.ENV)
+        assert victim.wait(600) == -signal.SIGKILL, Procs.log(victim)[-3000:]
+        # It died in its first prefill: sent whole (vLLM served it), its answer not read, nothing stored.
+        wait_for(lambda: proxy.requests and proxy.requests[0].status is not None, 120, "vLLM's answer to it")
+        (killed,) = proxy.requests
+        assert killed.path == "/v1/completions" and killed.status == 200 and not killed.answered, killed
+        assert index_rows(d / "index.jsonl") == [] and not list(d.glob("*.safetensors"))
         procs.start("features-worker")
         out, err = runner.communicate(timeout=900)
         assert runner.returncode == 0, out + err
@@ -208,6 +225,11 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
             runner.kill()
             runner.communicate()
         procs.stop_all()
+        proxy.stop()
+    # the work redone exactly once: the killed sample prefilled twice (the second answered), every other once
+    (first, *after) = prefilled()
+    assert sorted(after) == sorted(ids), (first, after)
+    assert all(r.answered for r in proxy.requests[1:]), proxy.requests
     exactly_once(store, ids)
     res = run_features(cfg, "--check")
     assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
@@ -215,7 +237,7 @@ def test_features_pass_on_vllm_worker_sigkilled_then_specforge_reads_the_export(
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "aux_hidden_state" not in res.stdout + res.stderr, res.stdout + res.stderr
     target = tmp_path / "out" / "A.specforge-offline"
-    rows = dict(enumerate(index_rows(index)))                  # data_<i>.ckpt is index row i
+    rows = dict(enumerate(index_rows(d / "index.jsonl")))      # data_<i>.ckpt is index row i
 
     def check(row: dict, input_ids, target_state, aux_state) -> None:
         assert input_ids.tolist() == row["input_ids"]

@@ -4,8 +4,8 @@ SmolLM2-135M-Instruct (tests/vllm_server.py; the ``vllm`` session fixture).
 Everything else in the suite meets budgetq's own simulator or llama.cpp's server; here the
 scheduler, the token counts and the abort rules are vLLM's own. Each test ends with every prompt in
 exactly one place, ``used`` equal to the rows' tokens and the ledger balanced. Token counts are kept
-small (a few hundred a test): on a loaded 2-core machine vLLM generates ~10-250 tok/s. Every
-pytest process of the run shares the one server (tests/conftest.py ``vllm``).
+small (a few hundred a test, ~2,000 for the pause test): on a loaded 2-core machine vLLM generates
+~10-250 tok/s. Every pytest process of the run shares the one server (tests/conftest.py ``vllm``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import sys
 import time
 import urllib.request
 
-from budgetq.shared import control, keys
+import pytest
+
+from budgetq.shared import keys
+from budgetq.shared.stats import Conf
 from tests.helpers import (
+    PY,
     ROOT,
     Procs,
     check_invariants,
@@ -34,9 +38,16 @@ from tests.helpers import (
 )
 from tests.vllm_server import MODEL_NAME
 
+# The per-test limit counts the test's own work, not the shared server's start (tests/vllm_server.py
+# START_TIMEOUT_S bounds that), which takes minutes on a loaded machine.
+pytestmark = pytest.mark.timeout(300, func_only=True)
+
 FAST = {"heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5, "control_interval_s": 0.2, "concurrency": 8}
 PROMPT = "Write a short poem about the number {i}."
-MAX_T = 120  # the pause test's longest answer
+# The pause test's answers, each exactly this long (min_tokens): seconds each even on an idle machine, so they still
+# run when `budgetq pause`, a new process (2-3 s to start on a loaded machine), lands. Its budgets: 5 and 7 answers.
+PAUSE_T = 200
+STOP_S = 1.0  # docs/vllm.md: the engine stops the aborted requests within this of the pause reaching Redis
 
 
 def _dataset(tmp_path, name: str, n: int, **spec) -> tuple[dict, list[str]]:
@@ -90,12 +101,23 @@ def test_soft_and_strict_budgets_land_and_the_rows_sum_to_used(tmp_path, redis_u
     assert _metric(vllm, "vllm:generation_tokens_total") - generated_before >= s["used"] + t["used"]
 
 
+def _running_until_zero(vllm, timeout_s: float = 30) -> list[tuple[float, float, float]]:
+    """Looks at vLLM's num_requests_running, one after the other, until one finds none: (began, ended, running)."""
+    looks: list[tuple[float, float, float]] = []
+    deadline = time.monotonic() + timeout_s
+    while not looks or looks[-1][2] > 0:
+        assert time.monotonic() < deadline, f"vLLM still runs requests {timeout_s:.0f} s after the pause: {looks[-3:]}"
+        began = time.monotonic()
+        running = _metric(vllm, "vllm:num_requests_running")
+        looks.append((began, time.monotonic(), running))
+    return looks
+
+
 def test_pause_abort_in_flight_stops_the_engines_requests_then_resume_and_raise(tmp_path, redis_url, conn,
                                                                              vllm_alone):
     vllm = vllm_alone  # it reads the engine's own num_requests_running: no other test's requests on it
-    # Answers of up to 120 tokens (seconds each here): still running when the pause command lands, ~1 s after
-    # they were seen running (with 32 they had finished by then on an idle machine).
-    spec, ids = _dataset(tmp_path, "A", 60, budget=600, sampling={"max_tokens": MAX_T})
+    spec, ids = _dataset(tmp_path, "A", 60, budget=5 * PAUSE_T,
+                         sampling={"max_tokens": PAUSE_T, "extra": {"min_tokens": PAUSE_T}})
     cfg = _config(tmp_path, redis_url, vllm, [spec], producer={"progress": "off"})
     procs = Procs(cfg, tmp_path)
     producer = procs.producer()
@@ -104,19 +126,27 @@ def test_pause_abort_in_flight_stops_the_engines_requests_then_resume_and_raise(
         wait_for(lambda: _metric(vllm, "vllm:num_requests_running") >= 4 and conn.hlen(keys.resv_key("A")) >= 4,
                  120, "4 requests running at vLLM")
         log_before = len(vllm.log())
-        # What `budgetq pause A --abort-in-flight` calls, in this process: the CLI's own start (2-3 s on a loaded
-        # machine) once let every answer finish first (its output is tested in test_ledger_live.py)
-        change = control.set_paused(conn, "A", True, abort_in_flight=True)
-        paused_at = time.monotonic()
-        aborted = change.aborted
-        assert aborted >= 4, change
-        # At the engine: nothing of the dataset runs any more (the worker dropped the connections;
-        # vLLM aborts a request whose client disconnects), and its log names each abort.
-        wait_for(lambda: _metric(vllm, "vllm:num_requests_running") == 0, 30, "vLLM to stop the aborted requests")
-        stopped_s = time.monotonic() - paused_at
+        cli = subprocess.Popen([*PY, "pause", "A", "--abort-in-flight", "-c", str(cfg)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The clock starts when the pause is in Redis (the command's own start takes seconds on a loaded machine,
+        # and it aborts right after): the worker drops the connections, vLLM aborts a request whose client
+        # disconnects, and nothing of the dataset runs at the engine any more within STOP_S. Asserted on what a
+        # look can prove on a loaded machine, where a look may itself take a while: the last look that still saw a
+        # request running began less than STOP_S after the pause (a later one would have seen it too).
+        paused_at = wait_for(lambda: conn.hget(keys.conf_key("A"), Conf.PAUSED) == b"1" and time.monotonic(), 60,
+                             "the pause in Redis", every_s=0.005)
+        looks = _running_until_zero(vllm)
+        out, err = cli.communicate(timeout=60)
+        assert cli.returncode == 0, out + err
+        aborted = int(re.search(r"aborted (\d+) requests in flight", out).group(1))
+        assert aborted >= 4, out
+        last_running = max((b for b, _e, r in looks if r > 0), default=paused_at) - paused_at
+        stopped_by = looks[-1][1] - paused_at
         engine_aborts = re.findall(r"Aborted request", vllm.log()[log_before:])
-        print(f"pause --abort-in-flight: {aborted} aborted; vLLM running 0 after {stopped_s:.2f} s; "
-              f"{len(engine_aborts)} aborts in its log")
+        print(f"pause --abort-in-flight: {aborted} aborted; vLLM last seen running {last_running:.2f} s after the "
+              f"pause reached Redis, 0 running by {stopped_by:.2f} s ({len(looks)} looks); {len(engine_aborts)} "
+              "aborts in its log")
+        assert last_running < STOP_S, [(round(b - paused_at, 3), round(e - paused_at, 3), r) for b, e, r in looks]
         assert len(engine_aborts) >= aborted
         wait_for(lambda: conn.hlen(keys.resv_key("A")) == 0 and conn.zcard(keys.rq_wip_key("A")) == 0, 30,
                  "the aborted requests to settle")
@@ -128,16 +158,16 @@ def test_pause_abort_in_flight_stops_the_engines_requests_then_resume_and_raise(
         assert producer.wait(300) == 0, Procs.log(producer)
         led = _balanced(cfg, "A")
         skipped = led["skipped"]
-        assert skipped > 0 and 600 <= int(conn.get(keys.used_key("A"))) < 600 + MAX_T
+        assert skipped > 0 and 5 * PAUSE_T <= int(conn.get(keys.used_key("A"))) < 6 * PAUSE_T
         # raised after the end: the skipped prompts are requeued and a new produce collects them
-        out = cli_out(cfg, "budget", "set", "A", "960")
+        out = cli_out(cfg, "budget", "set", "A", str(7 * PAUSE_T))
         assert f"requeued {skipped} skipped jobs" in out, out
         producer = procs.producer()
         assert producer.wait(300) == 0, Procs.log(producer)
     finally:
         procs.stop_all()
     states = check_invariants(conn, tmp_path / "out", "A", ids)
-    assert 960 <= states["used"] < 960 + MAX_T and states["failed"] == 0, states
+    assert 7 * PAUSE_T <= states["used"] < 8 * PAUSE_T and states["failed"] == 0, states
     _balanced(cfg, "A")
 
 

@@ -12,6 +12,8 @@ continuous-batching engine: tests/test_vllm_*.py.
   and caches in a directory of its own, up once /health answers 200.
 - ``shared_server``: one server for every pytest-xdist process of a run (the first to ask starts it
   under a file lock, the others attach to it); ``stop_shared`` ends it when the whole run ends.
+  ``$BUDGETQ_TEST_VLLM_URL`` (and ``$BUDGETQ_TEST_VLLM_LOG``, its log): a plain server already running with
+  ``SHARED_FLAGS``, used instead (iterating on the tests: a start takes minutes on a loaded machine).
   (Not pytest-xdist's ``--dist loadgroup``: with pytest 9.2 its groups are silently ignored, since
   it renames ``item._nodeid``, which pytest 9.2 no longer reads, so every process started a server.)
 """
@@ -166,6 +168,9 @@ def shared_server(run_dir: Path, name: str = "smollm2", flags: tuple[str, ...] =
     ``run_dir`` is a directory that every pytest process of this run sees and no other run does.
     A start that failed or was skipped is remembered there, so the other processes fail or skip
     at once with the same reason instead of trying again."""
+    if name == "smollm2" and os.environ.get("BUDGETQ_TEST_VLLM_URL"):
+        # iterating on these tests: a server already running with SHARED_FLAGS (its log at $BUDGETQ_TEST_VLLM_LOG)
+        return AttachedServer(os.environ["BUDGETQ_TEST_VLLM_URL"], os.environ.get("BUDGETQ_TEST_VLLM_LOG", "/dev/null"))
     info = run_dir / f"vllm-{name}.json"
     with open(run_dir / f"vllm-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -45,6 +45,7 @@ from budgetq.worker.loops import Loops
 from budgetq.worker.recorder import Recorder
 from budgetq.worker.sglang_client import SGLangClient
 from budgetq.worker.tracked import Abort, JobTable, Phase, Tracked, report_long_held
+from budgetq.worker.vllm_load import read_loads
 
 log = logging.getLogger("budgetq.worker")
 CLAIM_BATCH = 64
@@ -336,6 +337,10 @@ class ConcurrentWorker:
             loops.every(max(1.0, self.cfg.worker.control_interval_s), self._publish, "status")
             if self.capacity:
                 loops.run(self.capacity.run(self.stopping), "capacity")
+            else:   # a fixed concurrency sizes nothing, but `budgetq status` still shows vLLM's load
+                unreadable: dict[str, str] = {}
+                loops.every(self.cfg.worker.capacity_interval_s, lambda: read_loads(self.client.pool, unreadable),
+                            "loads")
             try:
                 await self._feed()
                 await self._drain()

@@ -13,13 +13,26 @@ scheduler's state (vllm/v1/metrics/loggers.py, set in ``PrometheusStatLogger.rec
   recomputed later: work lost).
 
 Its running slots are therefore estimated from the load (worker/capacity.py ``next_slots``).
+
+A worker with a fixed ``concurrency`` sizes nothing, but still reads each vLLM endpoint's load every
+``capacity_interval_s`` (``read_loads``) and publishes it, so ``budgetq status`` shows vLLM's running,
+waiting and KV cache use whatever the worker's concurrency.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from budgetq.shared import server_kind
+from budgetq.worker.endpoints import EndpointPool
+
+log = logging.getLogger("budgetq.capacity")
+_READ_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 _RUNNING, _WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 _BY_REASON, _KV, _PREEMPTED = "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc", \
@@ -68,3 +81,29 @@ def parse_metrics(text: str) -> VllmLoad:
                     preemptions=int(sum(found.get(_PREEMPTED, {}).values())),
                     engines=len(found[_RUNNING]))
 
+
+
+def load_view(load: VllmLoad, slots: int | None) -> dict:
+    """An endpoint's ``load`` as the worker publishes it (``slots``: the running slots sized from, if any)."""
+    return {"running": load.running, "waiting": load.waiting, "kv_cache_use": round(load.kv_cache_use, 4),
+            "slots": slots, "read_at": round(time.time(), 3)}
+
+
+async def read_loads(pool: EndpointPool, unreadable: dict[str, str]) -> None:
+    """Fixed concurrency: each healthy vLLM endpoint's load, for ``budgetq status`` (nothing is sized from it).
+    An endpoint that cannot be read keeps its last load and says why once (``unreadable``: url -> why)."""
+    for ep in pool.endpoints:
+        if not ep.healthy or ep.kind != server_kind.VLLM:
+            continue
+        try:
+            async with pool.session.get(ep.url + "/metrics", headers=pool.headers, timeout=_READ_TIMEOUT) as resp:
+                resp.raise_for_status()
+                load = parse_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+            if unreadable.get(ep.url) != why:
+                unreadable[ep.url] = why
+                log.info("load: cannot read %s/metrics (%s)", ep.url, why)
+            continue
+        unreadable.pop(ep.url, None)
+        ep.load = load_view(load, None)

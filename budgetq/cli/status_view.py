@@ -194,7 +194,7 @@ def endpoints_table(snap: dict[str, Any]) -> Table:
                   else Text("healthy", style="green") if e["healthy"] else Text("down", style="red"))
         prompt = e.get("prompt_tokens", 0)
         cached = f"{e.get('cached_tokens', 0) / prompt:.0%}" if prompt else "-"   # share of prompt tokens
-        load = e.get("load") or {}   # the server's own numbers, as a worker last read them (concurrency: auto)
+        load = e.get("load") or {}   # the server's own numbers, as a worker last read them
         queue = f"{load['running']:,} / {load['waiting']:,}" if load.get("running") is not None else "-"
         kv = f"{load['kv_cache_use']:.0%}" if load.get("kv_cache_use") is not None else "-"
         t.add_row(e["url"], server_label(e), health, f"{e['in_flight']:,}", f"{e['failures']:,}",

@@ -37,6 +37,7 @@ from budgetq.hidden_states.capture.captured import Captured, features_server
 from budgetq.hidden_states.capture.decode import HiddenStatesError, to_dtype
 from budgetq.hidden_states.capture.vllm_layout import FinalNorm, VllmLayout, as_f32, layout_for, load_final_norm
 from budgetq.hidden_states.schema import FeaturesPayload, wire_dtype
+from budgetq.hidden_states.store import fault_points
 from budgetq.hidden_states.store.safetensors_io import ShardError, read_header, read_tensor
 from budgetq.hidden_states.store.shards import INCOMING, features_dir, features_root
 from budgetq.shared.config import Config, ServerConfig
@@ -46,6 +47,8 @@ from budgetq.worker.sglang_client import HiddenStatesClient
 
 log = logging.getLogger("budgetq.features")
 LOCK_POLL_S = 0.02
+FLOAT_DTYPES = ("F32", "F16", "BF16")           # what vllm_layout.as_f32 reads
+TOKEN_DTYPES = {"I64": "<i8", "I32": "<i4"}
 
 
 def prefill_request(server: ServerConfig, input_ids: list[int], path: str) -> dict:
@@ -99,7 +102,7 @@ def read_engine_file(path: str, payload: FeaturesPayload, layout: VllmLayout, no
     except ShardError as exc:
         raise HiddenStatesError(f"the engine's file is not readable: {exc}") from None
     n, want = len(payload.input_ids), [len(payload.input_ids), len(layout.layer_ids), layout.hidden]
-    ids = np.frombuffer(tok.data, {"I64": "<i8", "I32": "<i4"}.get(tok.dtype, "<i8"))
+    ids = token_ids(tok.dtype, tok.data)
     if ids.tolist() != payload.input_ids:
         raise HiddenStatesError(f"the engine's file holds {len(ids)} token ids that are not the request's {n} "
                                 "(another request's file?)")
@@ -107,6 +110,11 @@ def read_engine_file(path: str, payload: FeaturesPayload, layout: VllmLayout, no
         raise HiddenStatesError(f"the engine's file holds hidden_states {hs.shape}, expected {want} ([tokens, "
                                 f"layers {layout.layer_ids}, hidden]): start the server with `budgetq features "
                                 "--server-flags` for this model")
+    # On the job's error path (HiddenStatesError): the job fails once, saying why, instead of going back to
+    # its lease at every attempt with an exception no one catches.
+    if hs.dtype not in FLOAT_DTYPES:
+        raise HiddenStatesError(f"the engine's file holds hidden_states of dtype {hs.dtype}, not one of "
+                                f"{', '.join(FLOAT_DTYPES)} (the server's --dtype)")
     x = as_f32(hs.dtype, hs.data, hs.shape)
     if not np.isfinite(x).all():
         raise HiddenStatesError("hidden states hold NaN or inf")
@@ -118,6 +126,14 @@ def read_engine_file(path: str, payload: FeaturesPayload, layout: VllmLayout, no
         cols = [x[:, layout.position(i), :] for i in layout.aux_ids]
         aux, aux_shape = to_dtype(np.concatenate(cols, axis=-1), dtype), [n, len(cols) * layout.hidden]
     return Captured(data, [n, layout.hidden], aux, aux_shape, raw_files=[path, path + ".lock"])
+
+
+def token_ids(dtype: str, data: bytes | memoryview) -> np.ndarray:
+    """An engine file's ``token_ids``; HiddenStatesError for a dtype that is not an integer one it writes."""
+    if dtype not in TOKEN_DTYPES:
+        raise HiddenStatesError(f"the engine's file holds token_ids of dtype {dtype}, not one of "
+                                f"{', '.join(TOKEN_DTYPES)}")
+    return np.frombuffer(data, TOKEN_DTYPES[dtype])
 
 
 def generation_sample(path: str, payload: FeaturesPayload) -> FeaturesPayload:
@@ -134,7 +150,7 @@ def generation_sample(path: str, payload: FeaturesPayload) -> FeaturesPayload:
         tok = read_tensor(Path(path), "token_ids", header, start)
     except ShardError as exc:
         raise HiddenStatesError(f"not readable: {exc}") from None
-    ids = np.frombuffer(tok.data, {"I64": "<i8", "I32": "<i4"}.get(tok.dtype, "<i8")).tolist()
+    ids = token_ids(tok.dtype, tok.data).tolist()
     want = payload.input_ids
     if len(ids) > len(want) or ids != want[: len(ids)]:
         at = next((i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b), min(len(ids), len(want)))
@@ -144,6 +160,19 @@ def generation_sample(path: str, payload: FeaturesPayload) -> FeaturesPayload:
         raise HiddenStatesError(f"its {len(ids)} token ids end before the answer (token {payload.loss_start})")
     return payload.model_copy(update={"input_ids": ids, "loss_end": min(payload.loss_end, len(ids)),
                                       "engine_file": None})
+
+
+def mid_request_trace() -> aiohttp.TraceConfig:
+    """Tests only (``BUDGETQ_FAULT_POINT=vllm-mid-request``): the fault point between a prefill's body sent and
+    its answer read. aiohttp tells a chunk *before* it writes it, so the point is reached at the event loop's
+    next turn, once the body is in the socket (a write is tried at once) and before any answer can be read."""
+    async def sent(_session: aiohttp.ClientSession, _ctx: object, params: aiohttp.TraceRequestChunkSentParams) -> None:
+        if params.method == "POST" and params.url.path == "/v1/completions":
+            asyncio.get_running_loop().call_soon(fault_points.reached, fault_points.VLLM_MID_REQUEST)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(sent)
+    return trace
 
 
 class VllmBackend:
@@ -160,10 +189,12 @@ class VllmBackend:
                                  else None)
         self.norm = await asyncio.to_thread(load_final_norm, self.model_dir, self.layout.hidden)
         self.server = features_server(self.cfg)
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        traces = [mid_request_trace()] if os.environ.get(fault_points.ENV) else []
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trace_configs=traces)
         self.client = HiddenStatesClient(self.session, self.server)
-        log.info("features: vllm backend, layers %s of %s (aux %s, target %d normed here), files in %s",
-                 self.layout.layer_ids, self.model_dir, self.layout.aux_ids, self.layout.target_id, self.root)
+        log.info("features: vllm backend, layers %s of %s (aux %s, target %d normed here: %s), files in %s",
+                 self.layout.layer_ids, self.model_dir, self.layout.aux_ids, self.layout.target_id, self.norm.kind,
+                 self.root)
 
     def bytes_per_token(self) -> float:
         # the engine's file read as float32 (layers x hidden x 4), plus the bytes kept (2 a value)

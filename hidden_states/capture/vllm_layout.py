@@ -17,8 +17,10 @@ models/llama.py ``LlamaModel.forward`` before layer ``start_layer`` and after ea
   (``get_eagle3_default_aux_hidden_state_layers``).
 - The target, SpecForge's and SGLang's ``hidden_state``, is the output of the final norm. vLLM's largest id,
   ``L``, is the last layer *before* that norm (``LlamaModel.forward`` applies ``self.norm`` after collecting
-  it), so the worker applies the model's final RMSNorm itself: its weight from the checkpoint, its epsilon
-  from config.json, in float32 (``FinalNorm``).
+  it), so the worker applies the model's final norm itself: its weight (and bias) from the checkpoint, its
+  epsilon from config.json, in float32 (``FinalNorm``). Which norm is config.json's to say: RMSNorm where it
+  gives ``rms_norm_eps`` (Llama, Qwen, Mistral...), LayerNorm where it gives only ``layer_norm_eps`` (or
+  ``layer_norm_epsilon``: StableLM, Cohere, GPT-NeoX...), a ConfigError where it gives neither.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ DEFAULT_SUBDIR = "vllm-default"
 # The final norm's weight, as checkpoints name it (Llama, Qwen, Mistral...; a multimodal wrapper's text model).
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
              "norm.weight")
-# Their final norm is not x / rms(x) * w: refused rather than stored wrong.
+# Their final norm is neither RMSNorm nor LayerNorm with the checkpoint's weight (Gemma's is x / rms(x) * (1 + w)):
+# refused rather than stored wrong.
 OTHER_NORMS = ("gemma",)
 
 
@@ -113,15 +116,38 @@ def flags_line(flags: list[str]) -> str:
 
 
 class FinalNorm:
-    """The model's final RMSNorm, ``x / sqrt(mean(x^2) + eps) * w``, in float32 (its weight from the checkpoint)."""
+    """The model's final norm in float32: RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` or, with ``layer=True``,
+    LayerNorm ``(x - mean(x)) / sqrt(var(x) + eps) * w (+ b)``; its weight (and bias) from the checkpoint."""
 
-    def __init__(self, weight: np.ndarray, eps: float) -> None:
+    def __init__(self, weight: np.ndarray, eps: float, layer: bool = False, bias: np.ndarray | None = None) -> None:
         self.weight = weight.astype(np.float32)
         self.eps = float(eps)
+        self.layer = layer
+        self.bias = None if bias is None else bias.astype(np.float32)
+
+    @property
+    def kind(self) -> str:
+        return "LayerNorm" if self.layer else "RMSNorm"
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float32, copy=False)
+        if self.layer:
+            x = x - np.mean(x, axis=-1, keepdims=True)
         var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-        return (x / np.sqrt(var + np.float32(self.eps))).astype(np.float32) * self.weight
+        out = (x / np.sqrt(var + np.float32(self.eps))).astype(np.float32) * self.weight
+        return out if self.bias is None else out + self.bias
+
+
+def norm_kind(cfg: dict, where: Path) -> tuple[bool, float]:
+    """(LayerNorm?, epsilon) of a model's final norm, as its config.json says: ``rms_norm_eps`` is RMSNorm's,
+    ``layer_norm_eps`` / ``layer_norm_epsilon`` (and no ``rms_norm_eps``) LayerNorm's (transformers' names)."""
+    if cfg.get("rms_norm_eps") is not None:
+        return False, float(cfg["rms_norm_eps"])
+    for key in ("layer_norm_eps", "layer_norm_epsilon"):
+        if cfg.get(key) is not None:
+            return True, float(cfg[key])
+    raise ConfigError(f"{where}/config.json has no rms_norm_eps or layer_norm_eps: the final norm cannot be "
+                      "applied")
 
 
 def _as_f32(dtype: str, data: bytes | memoryview) -> np.ndarray:
@@ -145,25 +171,36 @@ def load_final_norm(model_dir: Path, hidden: int) -> FinalNorm:
     cfg = text_config(d)
     kind = str(cfg.get("model_type", ""))
     if kind.startswith(OTHER_NORMS):
-        raise ConfigError(f"features.backend vllm: {kind}'s final norm is not x / rms(x) * w; this backend applies "
-                          "only that one to vLLM's last layer (use features.backend transformers)")
-    eps = cfg.get("rms_norm_eps", cfg.get("layer_norm_eps"))
-    if eps is None:
-        raise ConfigError(f"{d}/config.json has no rms_norm_eps: the final norm cannot be applied")
+        raise ConfigError(f"features.backend vllm: {kind}'s final norm is not x / rms(x) * w nor a LayerNorm; this "
+                          "backend applies only those to vLLM's last layer (use features.backend transformers)")
+    layer, eps = norm_kind(cfg, d)
     files: dict[str, Path] = {}
+    wanted = {*NORM_KEYS, *(k.removesuffix("weight") + "bias" for k in NORM_KEYS)}
     index = d / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = {k: d / v for k, v in weight_map.items() if k in NORM_KEYS}
+        files = {k: d / v for k, v in weight_map.items() if k in wanted}
     else:
         for f in sorted(d.glob("*.safetensors")):
             header, _ = read_header(f)
-            files.update({k: f for k in NORM_KEYS if k in header and k not in files})
+            files.update({k: f for k in wanted if k in header and k not in files})
     key = next((k for k in NORM_KEYS if k in files), None)
     if key is None:
         raise ConfigError(f"features.model.path {d}: no final norm weight ({', '.join(NORM_KEYS)}) in its "
                           "safetensors files")
-    t = read_tensor(files[key], key)
+    weight = _vector(files[key], key, hidden)
+    bias_key = key.removesuffix("weight") + "bias"
+    bias = _vector(files[bias_key], bias_key, hidden) if bias_key in files else None
+    if bias is not None and not layer:
+        raise ConfigError(f"{files[bias_key]}: {bias_key}: an RMSNorm (config.json's rms_norm_eps) has no bias")
+    return FinalNorm(weight, eps, layer, bias)
+
+
+def _vector(path: Path, key: str, hidden: int) -> np.ndarray:
+    t = read_tensor(path, key)
     if t.shape != [hidden]:
-        raise ConfigError(f"{files[key]}: {key} has shape {t.shape}, expected [{hidden}]")
-    return FinalNorm(as_f32(t.dtype, t.data, t.shape), float(eps))
+        raise ConfigError(f"{path}: {key} has shape {t.shape}, expected [{hidden}]")
+    try:
+        return as_f32(t.dtype, t.data, t.shape)
+    except ShardError as exc:
+        raise ConfigError(f"{path}: {key}: {exc}") from None
