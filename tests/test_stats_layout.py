@@ -24,7 +24,7 @@ PYTHON_STATS = {Stat.RETRIED, Stat.INVALID, Stat.RECOVERED, Stat.ENQUEUED, Stat.
 # Conf fields no script reads: bookkeeping for status and the producer.
 PYTHON_CONF = {Conf.REGISTERED_AT, Conf.ID_SCHEME, Conf.ID_FIELD, Conf.SOURCE_ENDED, Conf.CFG_LIMIT,
                Conf.SOURCE_ROWS, Conf.SOURCE_ESTIMATED, Conf.SOURCE_LIMIT, Conf.INTERRUPTED, Conf.OWN_BUDGET,
-               Conf.QUALITY}
+               Conf.QUALITY, Conf.SAMPLES}
 
 
 @dataclass
