@@ -147,6 +147,15 @@ class DatasetConfig(Strict):
         data["sampling"] = sampling
         return data
 
+    @field_validator("samples", mode="before")
+    @classmethod
+    def _check_samples(cls, v: Any) -> Any:
+        # One line, not pydantic's two (one per member of the union): what samples takes.
+        ok = v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1000)
+        if not ok:
+            raise ValueError(f"samples takes a whole number of answers per prompt, 1 to 1000, or auto (got {v!r})")
+        return v
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, name: str) -> str:

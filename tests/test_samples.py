@@ -263,3 +263,16 @@ def test_a_failed_answer_is_its_own_job_and_retry_failed_requeues_each(tmp_path,
     out = subprocess.run([*CLI, "retry-failed", "F", "-c", str(cfg)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "F: requeued 2 failed jobs" in out.stdout, out.stdout + out.stderr
     assert conn.llen(keys.rq_queue_key("F")) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 1001, 2.5, True, "many", None])
+def test_a_bad_samples_value_is_one_line_naming_the_field(tmp_path, bad):
+    write_dataset(tmp_path / "G.jsonl", 3)
+    cfg = write_config(tmp_path, "redis://127.0.0.1:1/0", "http://127.0.0.1:1",
+                       [{"name": "G", "path": str(tmp_path / "G.jsonl"), "budget": "1k", "samples": bad,
+                         "sampling": {"max_tokens": 10}}])
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    line = str(err.value)
+    assert "\n" not in line and "datasets.0.samples" in line and f"(got {bad!r})" in line, line
+    assert "constrained-int" not in line and "literal" not in line  # not pydantic's union internals
