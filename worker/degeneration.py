@@ -138,36 +138,19 @@ class LoopGuard:
     def _chars_for(self, ch: _Channel, tokens: float) -> float:
         """How many of the channel's last characters took ``tokens`` tokens (read off the marks;
         before the oldest mark, at the ratio of the marks' stretch, clamped)."""
-        marks = ch.marks
-        now_chars, now_tokens = marks[-1]
-        target = now_tokens - tokens
-        prev = marks[-1]
-        for mark in reversed(marks):
-            if mark[1] <= target:
-                if prev[1] == mark[1]:
-                    return float(now_chars - mark[0])
-                # Between two checks: linear.
-                at = mark[0] + (prev[0] - mark[0]) * (target - mark[1]) / (prev[1] - mark[1])
-                return now_chars - at
-            prev = mark
-        first_chars, first_tokens = marks[0]
-        return (now_chars - first_chars) + (first_tokens - target) * self._ratio(ch)
+        back = _back(ch.marks, 1, tokens)
+        if back is not None:
+            return back
+        (first_chars, first_tokens), (now_chars, now_tokens) = ch.marks[0], ch.marks[-1]
+        return (now_chars - first_chars) + (first_tokens - (now_tokens - tokens)) * self._ratio(ch)
 
     def _tokens_in(self, ch: _Channel, chars: int) -> float:
         """Tokens the channel's last ``chars`` characters took (the inverse of _chars_for)."""
-        marks = ch.marks
-        now_chars, now_tokens = marks[-1]
-        target = now_chars - chars
-        prev = marks[-1]
-        for mark in reversed(marks):
-            if mark[0] <= target:
-                if prev[0] == mark[0]:
-                    return now_tokens - mark[1]
-                at = mark[1] + (prev[1] - mark[1]) * (target - mark[0]) / (prev[0] - mark[0])
-                return now_tokens - at
-            prev = mark
-        first_chars, first_tokens = marks[0]
-        return (now_tokens - first_tokens) + (first_chars - target) / self._ratio(ch)
+        back = _back(ch.marks, 0, chars)
+        if back is not None:
+            return back
+        (first_chars, first_tokens), (now_chars, now_tokens) = ch.marks[0], ch.marks[-1]
+        return (now_tokens - first_tokens) + (first_chars - (now_chars - chars)) / self._ratio(ch)
 
     def _ratio(self, ch: _Channel) -> float:
         """Characters per token before the oldest mark: the marks' own stretch's, else the answer's."""
@@ -246,3 +229,19 @@ def scan(text: str, completion_tokens: int, cfg: GuardConfig | None = None, reas
         guard.feed(reasoning, completion_tokens, in_reasoning=True)
     guard.feed(text, completion_tokens, in_reasoning=False)
     return guard.flush()
+
+
+def _back(marks: deque[tuple[int, float]], axis: int, span: float) -> float | None:
+    """Along the (chars, tokens) marks, how far the other axis moved over the last ``span`` of ``axis``
+    (0: chars, 1: tokens), linear between two marks; None if that reaches before the oldest mark."""
+    other = 1 - axis
+    now = prev = marks[-1]
+    target = now[axis] - span
+    for mark in reversed(marks):
+        if mark[axis] <= target:
+            if prev[axis] == mark[axis]:
+                return float(now[other] - mark[other])
+            at = mark[other] + (prev[other] - mark[other]) * (target - mark[axis]) / (prev[axis] - mark[axis])
+            return now[other] - at
+        prev = mark
+    return None

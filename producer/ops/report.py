@@ -105,7 +105,7 @@ def _latency(run: RunData, plots: Any) -> str:
 
 def ledger_states(run: RunData) -> list[str]:
     """The ledger's states (shared/ledger.py STATES, so a state added there shows here), then the
-    rows never enqueued; ``discarded`` only where the ledger has it (issue 37)."""
+    rows never enqueued; ``discarded`` only where the ledger has it (a run log from before that state has none)."""
     extra = ["discarded"] if "discarded" not in STATES and any(d.discarded for d in run.datasets) else []
     return [*STATES, *extra, *NEVER_ENQUEUED]
 

@@ -157,7 +157,7 @@ class RunData:
 
 
 def discarded_by_reason(ledger: dict[str, Any] | None) -> dict[str, int] | None:
-    """Prompts discarded, by reason, where the ledger records them (issue 37's ``discarded``
+    """Prompts discarded, by reason, where the ledger records them (the ``discarded``
     state: a count, or counts by reason); None where it has no such state. Nothing is guessed
     from the rows: a budgetq that does not discard has nothing to show here."""
     v = (ledger or {}).get("discarded")
