@@ -48,13 +48,7 @@ def test_every_prompt_gives_n_answers_with_their_own_ids_seeds_and_rows(tmp_path
     sim = sim_factory("--speedup", "200", "--seed", "3", "--length-mean", "100")
     ids, spec = _spec(tmp_path, "S", 40, 3, "10M")
     cfg = write_config(tmp_path, redis_url, sim, [spec], worker={"concurrency": 16})
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        producer = procs.producer()
-        assert producer.wait(120) == 0, procs.log(producer)
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path)
     kept = rows(tmp_path / "out" / "S.jsonl")
     want = _answer_ids(ids, 3)
     assert sorted(r["id"] for r in kept) == sorted(want)        # 3 rows a prompt, ids p7, p7#2, p7#3
@@ -94,13 +88,7 @@ def test_the_budget_counts_every_answer_exactly(tmp_path, redis_url, conn, sim_f
     sim = sim_factory("--speedup", "200", "--seed", "4", "--length-mean", "150")
     ids, spec = _spec(tmp_path, "B", 200, 4, "12k", mode=mode)
     cfg = write_config(tmp_path, redis_url, sim, [spec], worker={"concurrency": 32})
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        producer = procs.producer()
-        assert producer.wait(120) == 0, procs.log(producer)
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path)
     states = check_invariants(conn, tmp_path / "out", "B", _answer_ids(ids, 4))
     used = states["used"]
     if mode == "soft":
@@ -187,13 +175,7 @@ def test_an_id_shaped_like_an_answer_id_is_an_invalid_row_and_check_agrees(tmp_p
     report = json.loads(check.stdout)
     h = next(d for d in report["datasets"] if d["name"] == "H")
     assert (h["valid"], h["invalid"], h["samples"]) == (2, 2, 2)
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        producer = procs.producer()
-        assert producer.wait(120) == 0, procs.log(producer)
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path)
     assert sorted(r["id"] for r in rows(tmp_path / "out" / "H.jsonl")) == ["a", "a#2", "b#x", "b#x#2"]
     invalid = rows(tmp_path / "out" / "H.invalid.jsonl")
     assert sorted(r["line"] for r in invalid) == [2, 4] and all("#<digits>" in r["reason"] for r in invalid)

@@ -10,7 +10,7 @@ from collections import Counter
 from budgetq.shared import keys
 from budgetq.shared.identity import job_id
 from budgetq.shared.ledger import read_ledger
-from tests.helpers import CLI, ROOT, Procs, rows, wait_for, write_config, write_dataset
+from tests.helpers import CLI, ROOT, Procs, rows, run_to_completion, wait_for, write_config, write_dataset
 
 FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s": 0.2}
 
@@ -79,13 +79,7 @@ def test_auto_stops_at_max_samples_and_check_says_the_cap_binds(tmp_path, redis_
     plan = subprocess.run([*CLI, "plan", "-c", str(cfg), "--tok-s", "100"], cwd=ROOT, capture_output=True, text=True)
     assert "C: samples: auto: ~500.00 answers per prompt at mean 100; the cap binds (max_samples 3)" in plan.stdout, \
         plan.stdout + plan.stderr
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        producer = procs.producer()
-        assert producer.wait(120) == 0, procs.log(producer)
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path)
     per = _by_sample(tmp_path / "out" / "C.jsonl")
     assert per == Counter({1: 20, 2: 20, 3: 20})
     ledger = read_ledger(conn, "C")
@@ -116,13 +110,7 @@ def test_a_short_dataset_with_auto_keeps_its_weighted_share_of_a_total(tmp_path,
                        worker={"concurrency": 24, "heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5,
                                "control_interval_s": 0.05, "grace_s": 0},
                        producer={"poll_interval_s": 0.02, "progress": "off"})
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        producer = procs.producer()
-        assert producer.wait(400) == 0, Procs.log(producer)
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path, timeout_s=400)
     out = tmp_path / "out"
     used = {n: int(conn.get(keys.used_key(n)) or 0) for n in SHARES}
     for n in SHARES:

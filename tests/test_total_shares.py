@@ -15,7 +15,7 @@ from __future__ import annotations
 from budgetq.producer.run.allocation import Claim, prompts_allow, water_fill
 from budgetq.shared import keys
 from budgetq.shared.identity import job_id
-from tests.helpers import Procs, rows, write_config, write_dataset
+from tests.helpers import rows, run_to_completion, write_config, write_dataset
 
 # Soft shares end past their share by up to one answer, which moves the others' shares by as much:
 # max_tokens stays well under 1% of a share (~190k), so "within 1%" is about the split, not the overshoot.
@@ -51,13 +51,7 @@ def test_a_total_split_by_weight_lands_every_full_dataset_on_its_share(tmp_path,
                        worker={"concurrency": 24, "heartbeat_ttl_s": 3, "maintenance_interval_s": 0.5,
                                "control_interval_s": 0.05, "grace_s": 0},
                        producer={"poll_interval_s": 0.02, "progress": "off"})
-    procs = Procs(cfg, tmp_path)
-    procs.worker()
-    try:
-        producer = procs.producer()
-        assert producer.wait(240) == 0, Procs.log(producer)
-    finally:
-        procs.stop_all()
+    run_to_completion(cfg, tmp_path, timeout_s=240)
     out = tmp_path / "out"
     used = {n: int(conn.get(keys.used_key(n)) or 0) for n in DATASETS}
     # every row exactly once, and the counter equals the rows (I1, I2)
