@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import orjson
@@ -126,11 +127,20 @@ class NativeRoutes:
                 elif key == "return_hidden_states":
                     hidden.check_contract(body[key])
             modes = hidden.request_modes(body, n, self.s.return_hidden_states_mode)
+            parallel = _parallel_sample_num(sps)
             if (err := self.runner.injected_error()) is not None:
                 raise err
         except BadRequest as exc:
             return native_error(exc)
         try:
+            if parallel > 1:
+                await self._prefill_once(inputs)
+                # Expanded prompt-major, each with a fresh rid: the client's rid names none of them.
+                inputs = [inp for inp in inputs for _ in range(parallel)]
+                sps = [_child_params(sp or {}, j) for sp in sps for j in range(parallel)]
+                rids = [uuid.uuid4().hex for _ in inputs]
+                modes = [m for m in modes for _ in range(parallel)]
+                batch = True
             items, caps = [], []
             for inp, rid, sp in zip(inputs, rids, sps, strict=True):
                 sp = sp or {}
@@ -158,6 +168,14 @@ class NativeRoutes:
         if any(modes):
             return self._with_hidden_states(outs, inputs, modes, batch)
         return web.json_response(outs if batch else outs[0])
+
+    async def _prefill_once(self, inputs: list[str | list[int]]) -> None:
+        """SGLang's parallel sampling (tokenizer_manager ``_handle_batch_request``, n > 1) first sends each
+        prompt once with max_new_tokens 0 and waits for it, so the radix cache holds the prompt before its n
+        samples are sent: the samples' prefill is a cache hit, as N requests to one server would be."""
+        warm = [self.runner.prompt_item(uuid.uuid4().hex, inp, 0, "generate") for inp in inputs]
+        for rec in await self.runner.start(warm, drop=False):
+            await self.runner.engine.wait(rec)
 
     def _with_hidden_states(self, outs: list[dict], inputs: list[str | list[int]], modes: list[str | None],
                             batch: bool) -> web.Response:
@@ -196,6 +214,23 @@ class NativeRoutes:
             # The client went away mid-stream (its requests aborted when SGLang would notice): nothing
             # more to write, and no error to log, as SGLang logs none.
             return web.Response(status=499)
+
+
+def _parallel_sample_num(sps: list[dict | None]) -> int:
+    """``n`` of a request (GenerateReqInput ``normalize_batch_and_arguments``): the same in every item."""
+    ns = [(sp or {}).get("n", 1) for sp in sps]
+    if any(v != ns[0] for v in ns):
+        raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
+    return ns[0] if isinstance(ns[0], int) else 1
+
+
+def _child_params(sp: dict, j: int) -> dict:
+    """Sample j's parameters (tokenizer_manager ``_seed_for_parallel_sample``): a seeded request's sample j
+    is seeded seed + j, so the n samples differ; an unseeded one stays unseeded."""
+    child = {k: v for k, v in sp.items() if k != "n"}
+    if isinstance(child.get("sampling_seed"), int):
+        child["sampling_seed"] += j
+    return child
 
 
 def _output(rec: RequestRecord, tokens: int, cap: int, final: bool, since: int = 0) -> dict:

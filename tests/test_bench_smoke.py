@@ -37,6 +37,7 @@ KEY_RATIO = {
     "features_store": "ratio tok/s to stream",
     "fp8_error": "ratio agreeing",
     "stream_cpu": "ratio guard / decode",
+    "samples_n": "ratio tok/s n / N requests",
 }
 
 
