@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Annotated, Any
 
@@ -52,6 +53,24 @@ class GatesConfig(Strict):
         if value is not None and not _VALIDATOR.fullmatch(value):
             raise ValueError(f"validator {value!r} is not module:function (e.g. mychecks:no_refusals)")
         return value
+
+
+def validator_module_missing(spec: str) -> str | None:
+    """The module of ``gates.validator`` when this process cannot find it (``budgetq check`` and
+    ``produce`` say so: the workers, where it runs, need it), else None. Found, not imported: a
+    module is not run in the producer for a check."""
+    module = spec.partition(":")[0]
+    try:
+        return None if importlib.util.find_spec(module) is not None else module
+    except (ImportError, ValueError):
+        return module
+
+
+def validator_warnings(dataset: str, spec: str | None) -> list[str]:
+    """``produce``'s start-up warning for a validator this process cannot find."""
+    missing = validator_module_missing(spec) if spec else None
+    return [f"dataset {dataset}: gates.validator {spec}: {missing} is not importable here; a worker that cannot "
+            "import it fails each job before sending it"] if missing else []
 
 
 def guard_shorthand(value: Any) -> Any:

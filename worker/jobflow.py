@@ -13,6 +13,7 @@ recorder and shared/, and nothing calls back into it: the runner only starts ``r
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -135,6 +136,14 @@ async def _send(ctx: JobContext, t: Tracked, payload: JobPayload, res: Reservati
     t.streamed = None
     job_id = t.job_id
     q = _quality(ctx, t.ds)
+    if q.gates is not None and q.gates.validator:
+        try:  # before the request: an answer no validator can judge would be generated for nothing
+            quality.load_validator(q.gates.validator)
+        except quality.ValidatorError as exc:
+            ctx.slots.release()
+            _log_validator_once(str(exc))
+            await _release_and_end(ctx, t, JobEnd.failed(str(exc)))
+            return False
     watch = WATCH.set(Watch(guard=q.make_guard(), on_progress=t.progressed))
     try:
         try:
@@ -150,12 +159,7 @@ async def _send(ctx: JobContext, t: Tracked, payload: JobPayload, res: Reservati
     t.phase = Phase.COMMITTING
     turns.observe(ctx.length, out)  # per request, also for a conversation
     row = build_row(payload, out, ctx.client.model).model_dump_json()
-    try:
-        why = discard.reason(out, q)
-    except quality.ValidatorError as exc:  # gates.validator cannot be imported here: one line, the job fails
-        log.error("job %s: %s", job_id, exc)
-        await _release_and_end(ctx, t, JobEnd.failed(str(exc)), out.completion_tokens)
-        return False
+    why = discard.reason(out, q)  # its validator was imported before the request
     retry = False
     if why is not None:
         retry = attempt <= q.retry_discarded
@@ -194,6 +198,13 @@ def _log_discard(t: Tracked, why: tuple[str, dict], out: turns.Result, retry: bo
     else:
         log.info("dataset %s: job %s discarded (%s), %d tokens%s", t.ds, t.job_id, reason, out.completion_tokens,
                  again)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_validator_once(why: str) -> None:
+    # once per process and message: every job of the dataset fails the same way, before its request
+    log.error("%s: this worker fails the dataset's jobs without sending them (`budgetq retry-failed` once it "
+              "imports)", why)
 
 
 async def _release_and_end(ctx: JobContext, t: Tracked, end: JobEnd, generated: int = 0) -> None:

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 from budgetq.shared.config import DatasetConfig
+from budgetq.shared.config_quality import validator_module_missing
 
 
 def quality_line(ds: DatasetConfig) -> str:
@@ -17,13 +17,9 @@ def quality_line(ds: DatasetConfig) -> str:
              f"{g.min_repeats} repeats" if g.enabled else "off")
     gates = [n for n in ("empty", "unclosed_reasoning", "think_tags") if getattr(ds.gates, n)]
     if ds.gates.validator:
-        module = ds.gates.validator.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        gates.append(f"validator {ds.gates.validator}" + ("" if found else
-                                                          f" ({module} is not importable here: the workers need it)"))
+        missing = validator_module_missing(ds.gates.validator)
+        gates.append(f"validator {ds.gates.validator}" + (f" ({missing} is not importable here: the workers need it)"
+                                                          if missing else ""))
     return (f"guard: {guard}; gates: {', '.join(gates) or 'none'}; retry_discarded {ds.retry_discarded}; "
             f"budget counts {ds.budget_counts} tokens")
 
