@@ -51,17 +51,17 @@ class SnapshotCollector:
         eta = GaugeMetricFamily("budgetq_eta_seconds", "Estimated seconds until the dataset ends: the first of its "
                                 "budget, its prompts and the deadline (absent while there is no rate, and once the "
                                 "dataset is done).", labels=["dataset"])
-        ledger = GaugeMetricFamily("budgetq_ledger_prompts", "Prompts of the dataset by the state they are in now "
-                                   "(the ledger; they sum to budgetq_ledger_entered_prompts).",
-                                   labels=["dataset", "state"])
-        entered = GaugeMetricFamily("budgetq_ledger_entered_prompts", "Prompts enqueued or adopted from disk.",
-                                    labels=["dataset"])
+        ledger = GaugeMetricFamily("budgetq_ledger_prompts", "Prompts (answers, with samples) of the dataset by "
+                                   "the state they are in now (the ledger; they sum to "
+                                   "budgetq_ledger_entered_prompts).", labels=["dataset", "state"])
+        entered = GaugeMetricFamily("budgetq_ledger_entered_prompts", "Prompts (answers, with samples) enqueued or "
+                                    "adopted from disk.", labels=["dataset"])
         unaccounted = GaugeMetricFamily("budgetq_ledger_unaccounted_prompts", "Entered minus the sum of the "
                                         "states: 0 when every prompt is accounted for (absent for a dataset whose "
                                         "state predates the ledger).", labels=["dataset"])
         unread = GaugeMetricFamily("budgetq_ledger_unread_prompts", "Rows of the dataset's file not read (yet, "
-                                   "or because the budget came first); absent while the file's size is unknown.",
-                                   labels=["dataset"])
+                                   "or because the budget came first), in answers (x samples; up to max_samples "
+                                   "for auto); absent while the file's size is unknown.", labels=["dataset"])
         stop = GaugeMetricFamily("budgetq_stop", "1 for the dataset's stop reason, 0 for the others (budget "
                                  "reached, deadline, out of prompts, held, paused, interrupted, running).",
                                  labels=["dataset", "reason"])
