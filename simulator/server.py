@@ -7,6 +7,7 @@ never behind the API key or the down switch, so a test can always read them and 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -171,8 +172,10 @@ class SimServer:
     # --- the simulator's own hooks --------------------------------------------------------------
 
     async def sim_stats(self, request: web.Request) -> web.Response:
+        # pid: whoever started this process can tell that the server answering on its port is
+        # this one and not another that took the port first (simulator/local.py LocalSim).
         return web.json_response({**self.engine.stats(), "errors": dict(self.faults.counts),
-                                  "drops": self.faults.counts.get("drop", 0)})
+                                  "drops": self.faults.counts.get("drop", 0), "pid": os.getpid()})
 
     async def sim_requests(self, request: web.Request) -> web.Response:
         recs = [r.to_json() for r in self.engine.records]

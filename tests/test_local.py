@@ -63,3 +63,66 @@ def test_local_redis_stops_and_removes_its_dir():
     server.stop()
     assert server.proc is None
     assert not os.path.exists(server.dir)
+
+
+def _free_ports_in_a_child(n: int) -> list[int]:
+    import subprocess
+    import sys
+
+    code = f"from budgetq.simulator.local import free_port; print([free_port() for _ in range({n})])"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_free_port_never_hands_one_port_to_two_processes():
+    """pytest-xdist workers ask at once: the kernel's free port is free only until its socket closes,
+    and two workers were once told the same one (CI: one sim answered for two tests)."""
+    children = [_free_ports_in_a_child(300) for _ in range(3)]
+    ports = []
+    for child in children:
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == 0
+        ports += json.loads(out)
+    assert len(ports) == 900 and len(set(ports)) == 900
+    # and none of the ephemeral range, where a killed server's port can become an outgoing connection's
+    # local end, so that restarting the server on it fails (address in use)
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    assert max(ports) < low, max(ports)
+
+
+def test_a_sim_whose_port_another_server_took_moves_to_a_port_of_its_own(monkeypatch):
+    """The other server answers /health on the port first; LocalSim must not hand out its URL."""
+    from budgetq.simulator import local
+
+    with LocalSim("--instant") as other:
+        real = local.free_port
+        handed = iter([other.port])
+        monkeypatch.setattr(local, "free_port", lambda: next(handed, None) or real())
+        with LocalSim("--instant") as sim:
+            assert sim.port != other.port
+            with urllib.request.urlopen(sim.url + "/sim/stats", timeout=10) as resp:
+                assert json.loads(resp.read())["pid"] == sim.pid
+        assert other.proc is not None and other.proc.poll() is None   # the other one is left alone
+
+
+def test_local_redis_whose_port_another_server_took_moves_to_a_port_of_its_own(monkeypatch):
+    from budgetq.simulator import local
+
+    other = LocalRedis()
+    try:
+        real = local.free_port
+        handed = iter([other.port])
+        monkeypatch.setattr(local, "free_port", lambda: next(handed, None) or real())
+        server = LocalRedis(password="pw")
+        try:
+            assert server.port != other.port and str(server.port) in server.url
+            client = redis.Redis.from_url(server.url)
+            assert int(client.info("server")["process_id"]) == server.proc.pid
+            client.close()
+            server.kill()
+            server.start()   # a restart keeps its port
+            assert str(server.port) in server.url and server.proc is not None
+        finally:
+            server.stop()
+    finally:
+        other.stop()
