@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from budgetq.producer.run.allocation import Claim, Latencies, RateMeter, deadline_total, phase, water_fill
+from budgetq.producer.run.allocation import (
+    Claim,
+    Latencies,
+    RateMeter,
+    admitted_floor,
+    deadline_total,
+    phase,
+    water_fill,
+)
 from budgetq.shared import keys, run_plan
 
 claims_st = st.lists(
@@ -55,6 +63,22 @@ def test_a_short_dataset_gives_its_share_to_the_others_by_weight():
     # a dataset that already spent more than its share keeps it; the others share the rest
     out = water_fill(100, [Claim("A", 1, floor=70), Claim("B", 1), Claim("C", 2)])
     assert out == {"A": 70, "B": 10, "C": 20}
+
+
+def test_soft_overshoot_is_not_taken_from_the_dataset_still_running():
+    """Nine soft datasets each crossed their 100k share by one answer (a few hundred tokens); the
+    tenth still runs. Its share stays 100k: the others' overshoot is theirs, not its shortfall
+    (it was: 10 datasets, total 1M, the last one ended at -1.1% of its share under load)."""
+    over = [300, 7, 358, 120, 200, 45, 90, 250, 111]
+    claims = [Claim(f"D{i}", 1, floor=admitted_floor(100_000 + o, 0, 100_000)) for i, o in enumerate(over)]
+    claims.append(Claim("last", 1, floor=admitted_floor(98_000, 1_500, 100_000)))
+    out = water_fill(1_000_000, claims)
+    assert out["last"] == 100_000 and all(out[f"D{i}"] == 100_000 for i in range(9))
+    # in flight counts toward the floor up to the limit, never past it
+    assert admitted_floor(90, 5, 100) == 95 and admitted_floor(90, 50, 100) == 100
+    # a crossed dataset's limit is not moved down by a lower level: its floor is the limit it crossed
+    lowered = water_fill(150_000, [Claim("A", 1, floor=admitted_floor(100_300, 0, 100_000)), Claim("B", 1)])
+    assert lowered == {"A": 100_000, "B": 50_000}
 
 
 def test_deadline_total_stops_admissions_a_tail_before_the_deadline():

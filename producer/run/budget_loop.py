@@ -33,6 +33,7 @@ from budgetq.producer.run.allocation import (
     Claim,
     Latencies,
     RateMeter,
+    admitted_floor,
     deadline_total,
     phase,
     prompts_allow,
@@ -301,11 +302,7 @@ class BudgetLoop:
         can = self._prompts_allow(f, st, queued, ledger)
         if can is not None:
             cap = can if cap is None else min(cap, can)
-        # The floor keeps what is admitted: counted and in flight. Not above the dataset's limit, though:
-        # a soft request's reservation grows as it runs (adjust.lua), past the limit near the end, and a
-        # floor that followed would raise the limit to let them all count, the share overshot by what
-        # was in flight; at the limit, the first to cross withdraws the others, as for any soft budget.
-        floor = min(st.used + st.reserved, max(st.used, st.limit))
+        floor = admitted_floor(st.used, st.reserved, st.limit)
         return Claim(ds.name, self.settings.weight(ds.name), floor=floor, cap=cap)
 
     @staticmethod
