@@ -166,3 +166,26 @@ def _table_row(text: str, ds: str) -> dict[str, str]:
 
 def _status_row(text: str, ds: str) -> str:
     return next(line for line in text.splitlines() if line.startswith(f"│ {ds} "))
+
+
+def test_a_run_whose_redis_lost_its_end_of_reading_mark_still_completes(tmp_path, redis_url, conn, sim_factory):
+    """The producer marks a dataset's reading ended once (source_ended): a Redis failover that loses that write
+    left the run `running` with every row written, and `produce` exiting 3 (a full suite, the sentinel test)."""
+    from budgetq.shared.stats import Conf
+
+    sim = sim_factory("--speedup", "50", "--length-mean", "40", "--seed", "3")
+    ids = write_dataset(tmp_path / "A.jsonl", 12)
+    cfg = write_config(tmp_path, redis_url, [sim], [{"name": "A", "path": str(tmp_path / "A.jsonl"),
+                                                     "budget": "10M", "id_field": "id"}], worker=FAST)
+    procs = Procs(cfg, tmp_path)
+    try:
+        producer = procs.producer()   # no worker yet: its prompts wait in the queue
+        wait_for(lambda: conn.hget(keys.conf_key("A"), Conf.SOURCE_ENDED) == b"1"
+                 and conn.llen(keys.rq_queue_key("A")) == 12, 60, "every prompt read and queued")
+        conn.hdel(keys.conf_key("A"), Conf.SOURCE_ENDED)   # as a failover to a replica that never got it
+        procs.worker()
+        assert producer.wait(120) == 0, Procs.log(producer)
+        assert "run complete: every dataset reached its end (out of prompts)" in Procs.log(producer)
+    finally:
+        procs.stop_all()
+    assert sorted(r["id"] for r in rows(tmp_path / "out" / "A.jsonl")) == sorted(ids)

@@ -36,10 +36,11 @@ from budgetq.producer.run.id_rule import record_id_field, settle_id_field
 from budgetq.producer.run.meta import check_and_write_meta
 from budgetq.producer.run.migrate import uses_legacy_ids
 from budgetq.producer.run.reconcile import adopt_missing, rows_on_disk
-from budgetq.producer.run.run_report import RunClock, end_of_run, summary_rows
+from budgetq.producer.run.run_report import RunClock, end_of_run, summary_rows, warn_cut_rows
 from budgetq.shared import jobs, keys, presence
 from budgetq.shared.budget import dataset_state, register_dataset
 from budgetq.shared.config import Config, DatasetConfig
+from budgetq.shared.config_quality import validator_warnings
 from budgetq.shared.errors import BudgetqError
 from budgetq.shared.identity import job_id, legacy_job_id
 from budgetq.shared.logs import safe
@@ -82,7 +83,8 @@ class Producer:
                                    filtered_recorded=int(self.conn.hget(keys.stats_key(ds.name), Stat.FILTERED) or 0)))
         try:
             self.collector = Collector(self.conn, cfg.output_dir, [d.name for d in cfg.datasets])
-            warnings = [w for f in self.feeds for w in check_and_write_meta(cfg, f.ds, cfg.output_dir)]
+            warnings = [w for f in self.feeds for w in (*check_and_write_meta(cfg, f.ds, cfg.output_dir),
+                                                        *validator_warnings(f.ds.name, f.ds.gates.validator))]
         except OSError as exc:  # the volume changed since preflight: one line, not a traceback
             raise output_error(cfg.output_dir, exc) from None
         for warning in warnings:
@@ -190,9 +192,8 @@ class Producer:
                 f.tally.add(item)
                 if isinstance(item, Prompt):
                     f.pending.extend(answers(f.ds, item, f.round))
-        if f.ended:  # status: done, no ETA; every row is read, so their count is exact now
-            self.conn.hset(keys.conf_key(f.ds.name), mapping={Conf.SOURCE_ENDED: "1", Conf.SOURCE_ROWS: f.read,
-                                                               Conf.SOURCE_ESTIMATED: "0"})
+        if f.ended:
+            self._mark_ended(f)
         if f.tally.filtered > f.filtered_recorded:  # a restart reads the rows again: count only beyond the last run
             self.conn.hincrby(keys.stats_key(f.ds.name), Stat.FILTERED, f.tally.filtered - f.filtered_recorded)
             f.filtered_recorded = f.tally.filtered
@@ -282,7 +283,14 @@ class Producer:
         pipe.llen(keys.rq_intermediate_key(f.ds.name))
         pipe.zcard(keys.rq_wip_key(f.ds.name))
         queued, parked, started = pipe.execute()
-        f.complete = queued + parked + started == 0
+        was, f.complete = f.complete, queued + parked + started == 0
+        if f.complete and not was and f.ended:  # again: a failover can lose the first mark (stop: running)
+            self._mark_ended(f)
+
+    def _mark_ended(self, f: Feed) -> None:
+        """Status: done, no ETA; every row is read, so their count is exact now."""
+        self.conn.hset(keys.conf_key(f.ds.name), mapping={Conf.SOURCE_ENDED: "1", Conf.SOURCE_ROWS: f.read,
+                                                           Conf.SOURCE_ESTIMATED: "0"})
 
     def _drain(self) -> int:
         """Write the results waiting in Redis, unless the disk guard says the volume refuses them."""
@@ -357,7 +365,7 @@ class Producer:
             if not wrote:
                 time.sleep(poll)
         self.capture.close()  # hook: the hidden-states pass writes what it collected, releases its lock
-        self._warn_cut_rows()
+        warn_cut_rows(self.feeds, self.collector)
         report = self.report()
         self.presence.leave()  # an exception leaves the key to expire: status then says interrupted
         return report
@@ -379,15 +387,6 @@ class Producer:
         log.warning("output_dir %s: %d results could not be written (%s); they stay in Redis and the next "
                     "`budgetq produce` writes them once the volume has room", self.cfg.output_dir, waiting,
                     self.guard.reason)
-
-    def _warn_cut_rows(self) -> None:
-        """keep=all kept answers cut by max_tokens: a drafter trained on them (SpecForge appends
-        an end-of-turn) learns stops the model never made. Say so loudly, once per dataset."""
-        for f in self.feeds:
-            if (n := self.collector.cut_kept.get(f.ds.name, 0)) and f.ds.keep == "all":
-                log.warning("dataset %s: %d row(s) written this run were cut by max_tokens (finish_reason "
-                            "length) and kept (keep: all); for drafter training use keep: complete, or "
-                            "`budgetq export --format specforge`, which leaves them out", f.ds.name, n)
 
     def summary(self) -> list[dict]:
         """One row per dataset: its ledger, stop reason and what this run did (producer/run/run_report.py)."""

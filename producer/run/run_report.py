@@ -11,6 +11,7 @@ ledger and the mean response length are the dataset's, over every run.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -33,6 +34,8 @@ LATENCY_KEEP = 100_000   # latencies kept per dataset (and for the run): 0.8 MB 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 LEDGER_COLUMNS = ("queued", "running", "rows", "truncated", "discarded", "skipped", "failed", "aborted", "invalid",
                   "filtered", "unread", "unread_estimated", "source_rows")
+
+log = logging.getLogger("budgetq.producer")
 
 
 class Reservoir:
@@ -122,3 +125,13 @@ def end_of_run(rows: list[dict], clock: RunClock, collector: Collector) -> dict[
     return {"complete": all(r["complete"] for r in rows), "elapsed_s": round(elapsed, 2), "tokens": tokens,
             "tok_s": round(tokens / max(elapsed, 1e-9), 1), "rows_written": sum(r["rows_written"] for r in rows),
             "latency_s": collector.latency_all.quantiles(), "datasets": rows}
+
+
+def warn_cut_rows(feeds: Sequence[Feed], collector: Collector) -> None:
+    """keep=all kept answers cut by max_tokens: a drafter trained on them (SpecForge appends
+    an end-of-turn) learns stops the model never made. Say so loudly, once per dataset."""
+    for f in feeds:
+        if (n := collector.cut_kept.get(f.ds.name, 0)) and f.ds.keep == "all":
+            log.warning("dataset %s: %d row(s) written this run were cut by max_tokens (finish_reason "
+                        "length) and kept (keep: all); for drafter training use keep: complete, or "
+                        "`budgetq export --format specforge`, which leaves them out", f.ds.name, n)
