@@ -123,6 +123,14 @@ def number(cell: str) -> float:
 
 # --- processes ----------------------------------------------------------------------------------------
 
+def prometheus_lines(url: str) -> list[tuple[str, str]]:
+    """(metric name without its labels, value text) of every sample a server's /metrics exposes."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return [(line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")]
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of ``pid`` so far (Linux /proc)."""
     try:

@@ -13,7 +13,7 @@ B2 profile (lognormal sigma 1.0, capped at 8,192), 2 worker processes:
   until the server notices the disconnect);
 - ``after``: the defaults (``end_margin_z: 1.0``; running requests counted as censored
   lengths; cancelled requests also aborted with ``POST /abort_request``), answers not streamed;
-- ``elapsed`` / ``streamed`` (the default pair, issue 37): ``after`` with ``server.stream: false``
+- ``elapsed`` / ``streamed`` (the default pair, since answers are streamed): ``after`` with ``server.stream: false``
   (each running request's tokens so far *estimated* as elapsed time x the decode rate) vs. ``true``
   (its tokens so far as its stream says: SGLang's meta_info.completion_tokens; worker/tracked.py
   ``Tracked.generated``). ``--variants before,after`` gives the earlier comparison.

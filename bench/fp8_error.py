@@ -12,7 +12,8 @@ target model's next-token choice, the argmax of lm_head over the stored last lay
 agree with float32's, and with each other. Last, the encoding itself on these real values, stored as the store
 does (the aux layers as one ``[tokens, 3 x hidden]`` block, all texts' tokens in one call, so across several of
 quantize's chunks): how many codes differ from torch's float8_e4m3fn cast of ``x * (448 / amax)`` and how many
-tokens are encoded unlike themselves alone (both 0 since issue 38; before, tokens past the first chunk differed).
+tokens are encoded unlike themselves alone (both 0 now, whatever the chunk; before, tokens past the first chunk
+differed).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python bench/network_rtt.py --part per-request [--pairs 3] [--lengths 30,300]   # latency only (~4 min)
     python bench/network_rtt.py --part throughput --quick --length-mean 300 --pairs 3  # tok/s only
 
-Latency per request, first (issue 38, item 9): what the relay adds, measured side by side, in
+Latency per request, first: what the relay adds, measured side by side, in
 pairs (direct, relay, direct, relay, ...), each pair's numbers and their min-max printed:
 
 - per Redis round trip: blocks of sequential PINGs, the median of each block, directly and
@@ -139,13 +139,17 @@ class Cycle:
         return 1000 * n * self.seconds / max(1, self.completed)
 
 
-def count_window(sim: c.Sim, n: int, warmup_s: float, window_s: float, alive) -> Cycle:
+def count_window(sim: c.Sim, n: int, warmup_s: float, window_s: float, alive, ramp_share: float = 1.0) -> Cycle:
     """Requests completed and tokens generated at the simulator over a window that opens ``warmup_s``
-    after it first has ``n`` running."""
+    after it first has ``ramp_share`` of ``n`` running (--smoke: half; on a loaded machine short requests
+    end while the others are being claimed, so all ``n`` at once may never be seen)."""
+    want = max(1, int(n * ramp_share))
     deadline = time.monotonic() + 60
-    while sim.stats()["running"] < n:
-        if time.monotonic() > deadline or not alive():
-            raise RuntimeError(f"the simulator never had {n} requests running")
+    while sim.stats()["running"] < want:
+        if not alive():
+            raise RuntimeError(f"a process exited before the simulator had {want} requests running")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the simulator never had {want} requests running in 60 s")
         time.sleep(0.02)
     time.sleep(warmup_s)
     s0, t0 = sim.stats(), time.monotonic()
@@ -155,7 +159,7 @@ def count_window(sim: c.Sim, n: int, warmup_s: float, window_s: float, alive) ->
 
 
 def one_cycle_run(stack: c.Stack, sim: c.Sim, n: int, worker_url: str, name: str, warmup_s: float,
-                  window_s: float) -> Cycle:
+                  window_s: float, ramp_share: float = 1.0) -> Cycle:
     stack.flush()
     data = stack.dir / f"{DS}.jsonl"
     c.write_prompts(data, 20000)
@@ -164,7 +168,8 @@ def one_cycle_run(stack: c.Stack, sim: c.Sim, n: int, worker_url: str, name: str
     worker = stack.worker(cfg, n, f"worker-{name}", "--redis-url", worker_url)
     producer = stack.producer(cfg, f"producer-{name}")
     try:
-        return count_window(sim, n, warmup_s, window_s, alive=lambda: worker.poll() is None and producer.poll() is None)
+        return count_window(sim, n, warmup_s, window_s, alive=lambda: worker.poll() is None and producer.poll() is None,
+                            ramp_share=ramp_share)
     finally:
         stop_process(producer)
         stop_process(worker)
@@ -172,7 +177,7 @@ def one_cycle_run(stack: c.Stack, sim: c.Sim, n: int, worker_url: str, name: str
 
 
 def per_request(stack: c.Stack, rtt_url: str, rtt_ms: float, lengths: list[int], n: int, pairs: int,
-                warmup_s: float, window_s: float, speedup: float) -> None:
+                warmup_s: float, window_s: float, speedup: float, ramp_share: float = 1.0) -> None:
     rows, summary = [], []
     for length in lengths:
         sim = c.Sim("--max-running-requests", "256", "--speedup", str(speedup), "--length-mean", str(length),
@@ -184,7 +189,7 @@ def per_request(stack: c.Stack, rtt_url: str, rtt_ms: float, lengths: list[int],
                 got = {}
                 for kind in ("loopback", "rtt"):
                     got[kind] = one_cycle_run(stack, sim, n, stack.url if kind == "loopback" else rtt_url,
-                                              f"req-{length}-{kind}-{rep}", warmup_s, window_s)
+                                              f"req-{length}-{kind}-{rep}", warmup_s, window_s, ramp_share)
                     cycles[kind].append(got[kind].cycle_ms(n))
                 a = got["rtt"].cycle_ms(n) - got["loopback"].cycle_ms(n)
                 r = (got["rtt"].completed / got["rtt"].seconds) / (got["loopback"].completed / got["loopback"].seconds)
@@ -237,7 +242,7 @@ def main(argv: list[str]) -> None:
                           20 if args.smoke else 100)
         if args.part != "throughput":
             per_request(stack, rtt_url, args.rtt_ms, lengths[:1] if args.smoke else lengths, 8, pairs,
-                        0.5 if args.smoke else 1.0, 1.0 if args.smoke else 4.0, 4)
+                        0.5 if args.smoke else 1.0, 1.0 if args.smoke else 4.0, 4, 0.5 if args.smoke else 1.0)
     except BaseException:
         stop_process(rel)
         stack.close()

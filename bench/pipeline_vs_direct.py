@@ -14,7 +14,7 @@ and closes before anything is stopped (the tail is excluded). Runs alternate dir
 pipeline, direct, pipeline to cancel drift. Target: pipeline / direct >= 0.99 at 64 and 256.
 
 ``--stream both`` (the default) runs the pipeline twice per pair, its worker streaming answers
-(``server.stream: true``, the default since issue 37: SSE, tokens so far, the loop guard on every
+(``server.stream: true``, the default: SSE, tokens so far, the loop guard on every
 chunk) and not (``false``: one JSON answer per request); the direct client stays the plain
 non-streaming one. Also printed: the worker process's CPU seconds per 1,000 generated tokens over
 the window (/proc: user + system), the cost of reading and guarding the streams.

@@ -16,7 +16,7 @@ It prints each pair's ratio and their min-max (the spread: the target means some
 is well inside its 3%), and, per window, what the engine did: its mean inter-token latency
 (``vllm:inter_token_latency_seconds``), preemptions (``vllm:num_preemptions_total``) and its highest KV cache
 use (``vllm:kv_cache_usage_perc``). A window must hold many engine steps (one step is one token per running
-request): at 32 running, a window of 30 s at ~30 tok/s held ~28 steps, one step 3.4% of it (issue 38).
+request): at 32 running, a window of 30 s at ~30 tok/s held ~28 steps, one step 3.4% of it.
 ``--pairs`` / ``--window`` set how many and how long.
 """
 
@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,15 +62,11 @@ class Settings:
 
 def metrics(url: str) -> dict[str, float]:
     """vLLM's gauges and counters we read, summed over engines and label sets."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
     out = dict.fromkeys(METRICS.values(), 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for name, value in c.prometheus_lines(url):
         if name in METRICS:
-            value = float(line.rsplit(" ", 1)[1])
             key = METRICS[name]
-            out[key] = max(out[key], value) if key == "kv" else out[key] + value
+            out[key] = max(out[key], float(value)) if key == "kv" else out[key] + float(value)
     return out
 
 

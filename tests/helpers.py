@@ -246,7 +246,12 @@ def live_run(cfg_path: Path, tmp_path: Path, workers: list[list[str]] | None = N
         if during is not None:
             while prod.poll() is None:
                 seen.append(during(prod))
-        stdout, stderr = prod.communicate(timeout=timeout_s)
+        try:
+            stdout, stderr = prod.communicate(timeout=timeout_s)
+        except BaseException:
+            prod.kill()  # a run that timed out must not leave its producer polling after the test
+            prod.communicate()
+            raise
     finally:
         for p in procs:
             p.terminate()
@@ -304,3 +309,15 @@ async def serve_routes(routes: list, body) -> None:
         await body(f"http://127.0.0.1:{port}")
     finally:
         await runner.cleanup()
+
+
+def prometheus_samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a Prometheus exposition, parsed by prometheus-client's own parser:
+    (name, sorted label items) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

@@ -24,14 +24,17 @@ FAST = {"heartbeat_ttl_s": 2, "maintenance_interval_s": 0.5, "control_interval_s
 class BlackHole:
     """A TCP server that accepts every connection and never sends a byte (a hung Redis, a firewall)."""
 
-    def __init__(self) -> None:
+    def __init__(self, listening: bool = True) -> None:
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(128)
+        self.sock.bind(("127.0.0.1", 0))  # bound, not listening: connections to it are refused
         self.port = self.sock.getsockname()[1]
         self.held: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        if listening:
+            self.listen()
+
+    def listen(self) -> None:
+        self.sock.listen(128)
+        threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -96,23 +99,49 @@ def test_produce_against_a_silent_redis_fails_fast_with_redis_wait_s_zero(tmp_pa
     print(f"produce against a silent Redis, redis_wait_s 0: exit 2 after {took:.1f} s")
 
 
-@pytest.mark.parametrize("role", ["worker", "producer"])
-def test_waiting_for_a_silent_redis_stops_on_sigterm(tmp_path, black_hole, role):
-    _config(tmp_path, f"redis://127.0.0.1:{black_hole.port}/0", worker={"grace_s": 1})
-    procs = Procs(tmp_path / "cfg.yaml", tmp_path)
-    p = procs.start("worker" if role == "worker" else "produce")
+def test_a_worker_waiting_on_a_silent_redis_stops_on_sigterm_mid_ping(tmp_path):
+    """The worker's ping in flight is abandoned at once: with a 600 s socket timeout, a worker that
+    waited for its reply would outlive the test's bound many times over, however loaded the machine."""
+    hole = BlackHole(listening=False)  # refused at first: the worker says it waits, then retries
     try:
-        wait_for(lambda: "waiting for Redis" in procs.log(p), 60, f"the {role} to wait for Redis")
+        _config(tmp_path, f"redis://127.0.0.1:{hole.port}/0?socket_timeout=600", worker={"grace_s": 1})
+        procs = Procs(tmp_path / "cfg.yaml", tmp_path)
+        p = procs.start("worker")
+        try:
+            wait_for(lambda: "waiting for Redis" in procs.log(p), 60, "the worker to wait for Redis")
+            hole.listen()
+            wait_for(lambda: hole.held, 60, "the worker's next ping to connect (and hang)")
+            time.sleep(0.5)  # the PING written, its reply awaited (a wait of the kind under test, not a sync)
+            p.send_signal(signal.SIGTERM)
+            took = _exit_time(p, 300)
+        finally:
+            procs.stop_all()
+    finally:
+        hole.close()
+    print(f"worker waiting on a silent Redis: SIGTERM to exit {took:.1f} s (socket timeout 600 s)")
+    assert p.returncode == 0, procs.log(p)  # a worker's stop is its normal end
+    assert "stopped before" in procs.log(p) and "Traceback" not in procs.log(p)
+    assert took < 120, procs.log(p)
+
+
+def test_a_producer_waiting_on_a_silent_redis_stops_on_sigterm(tmp_path, black_hole):
+    """The producer's ping is a blocking call: it ends within its socket timeout (10 s), then the
+    producer stops instead of trying again."""
+    _config(tmp_path, f"redis://127.0.0.1:{black_hole.port}/0")
+    procs = Procs(tmp_path / "cfg.yaml", tmp_path)
+    p = procs.start("produce")
+    try:
+        wait_for(lambda: "waiting for Redis" in procs.log(p), 60, "the producer to wait for Redis")
         p.send_signal(signal.SIGTERM)
-        took = _exit_time(p, 60)
+        took = _exit_time(p, 120)
     finally:
         procs.stop_all()
-    print(f"{role} waiting on a silent Redis: SIGTERM to exit {took:.1f} s")
-    # a worker's stop is its normal end; a produce stopped before its run started exits 3, as any
-    # run stopped before its end (docs/cli.md): `produce && export` must not go on
-    assert p.returncode == (0 if role == "worker" else 3), procs.log(p)
+    print(f"producer waiting on a silent Redis: SIGTERM to exit {took:.1f} s")
+    # a produce stopped before its run started exits 3, as any run stopped before its end
+    # (docs/cli.md): `produce && export` must not go on
+    assert p.returncode == 3, procs.log(p)
     assert "stopped before" in procs.log(p) and "Traceback" not in procs.log(p)
-    assert took < 30  # the ping in flight is abandoned at once, not after its 10 s timeout
+    assert took < 60, procs.log(p)  # one ping's timeout, not redis_wait_s (300 s)
 
 
 def test_worker_started_while_redis_is_down_waits_and_then_runs(tmp_path):

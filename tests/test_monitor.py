@@ -10,7 +10,6 @@ import tempfile
 from html.parser import HTMLParser
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from budgetq.producer.ops import metrics
 from budgetq.producer.ops.monitor import MonitorThread, check_bind
@@ -21,16 +20,17 @@ from budgetq.shared.errors import ConfigError
 from budgetq.shared.scripts import run as run_script
 from budgetq.shared.status import COUNT_FIELDS
 from budgetq.simulator.local import free_port, wait_http
-from tests.helpers import CLI, LIVE, ROOT, http_get, live_run, rows, three_datasets, write_config
-
-
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a Prometheus exposition, parsed by prometheus-client's own parser."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+from tests.helpers import (
+    CLI,
+    LIVE,
+    ROOT,
+    http_get,
+    live_run,
+    prometheus_samples,
+    rows,
+    three_datasets,
+    write_config,
+)
 
 
 def _seed(conn) -> None:
@@ -62,7 +62,7 @@ def test_api_and_metrics_serve_the_snapshot(redis_url, conn):
 
         status, ctype, text = http_get(base + "/metrics")
         assert status == 200 and ctype.startswith("text/plain")
-        m = _samples(text)
+        m = prometheus_samples(text)
         ds = (("dataset", "B2"),)
         assert m[("budgetq_budget_tokens", ds)] == 10_000 and m[("budgetq_used_tokens", ds)] == 100
         assert m[("budgetq_reserved_tokens", ds)] == 0 and m[("budgetq_in_flight", ds)] == 0
@@ -145,7 +145,7 @@ def test_holds_stalls_and_server_faults_reach_the_api_and_metrics(redis_url, con
         assert (h["state"], h["hold"], h["paused"], h["eta_s"]) == ("held", DISK_FULL, False, None)
         assert b2["hold"] is None and b2["state"] != "held"
         assert snap["diagnosis"] == snap["stall"] == HTML_500
-        m = _samples(http_get(base + "/metrics")[2])
+        m = prometheus_samples(http_get(base + "/metrics")[2])
     finally:
         mon.stop()
     assert m[("budgetq_held", (("dataset", "H"),))] == 1 and m[("budgetq_held", (("dataset", "B2"),))] == 0

@@ -298,39 +298,43 @@ def test_a_failover_that_loses_acknowledged_commits_is_repaired_by_reconcile(tmp
     sim = LocalSim("--speedup", "4", "--length-mean", "300", "--seed", "6", cwd=ROOT)
     # down-after 2 s: the sentinels promote a replica whose link has been down up to 10 x that (plus the time
     # since the master went down), and this one's is down from the cut to the failover
-    replicated = Replicated(down_after_ms=2000)
-    n = 160
-    ids = write_dataset(tmp_path / "D.jsonl", n)
-    specs = [{"name": "D", "path": str(tmp_path / "D.jsonl"), "budget": "10M", "id_field": "id",
-              "sampling": {"max_tokens": 2000}, "prior_mean_tokens": 300}]
-    cfg = write_config(tmp_path, replicated.url, [sim.url], specs,
-                       worker={"concurrency": 8, "heartbeat_ttl_s": 4, "maintenance_interval_s": 0.5,
-                               "control_interval_s": 0.2})
-    master, replica = redis.Redis(port=replicated.master_port), redis.Redis(port=replicated.replica_port)
-    out = tmp_path / "out" / "D.jsonl"
-    procs = Procs(cfg, tmp_path)
     try:
-        procs.worker()
-        procs.worker()
-        producer = procs.producer()
-        # every prompt enqueued and some committed, all of it on the replica, before the cut
-        wait_for(lambda: int(replica.hget(keys.stats_key("D"), "enqueued") or 0) == n and _committed(replica) >= 20,
-                 90, "the run to get going on both")
-        cut_replication(replica)
-        known = _committed(replica)  # all the replica will ever know of the old master's commits
-        wait_for(lambda: _lines(out) >= known + 8, 60, "rows of commits the replica never got, on disk")
-        acknowledged = _committed(master)
-        replicated.kill_master()
-        assert _committed(replica) == known < acknowledged  # acknowledged increments, gone with the master
-        sim.kill()
-        sim.flags = ("--speedup", "4", "--length-mean", "300", "--seed", "7")
-        sim.start()
-        wait_for(lambda: replicated.master_addr() == replicated.replica_port, 60, "the replica promoted")
-        assert producer.wait(180) == 0, procs.log(producer)
-    finally:
-        procs.stop_all()
+        replicated = Replicated(down_after_ms=2000)
+    except BaseException:
         sim.stop()
-    try:
+        raise
+    try:   # both stopped whatever happens (a failed wait once left the five redis-servers running)
+        n = 160
+        ids = write_dataset(tmp_path / "D.jsonl", n)
+        specs = [{"name": "D", "path": str(tmp_path / "D.jsonl"), "budget": "10M", "id_field": "id",
+                  "sampling": {"max_tokens": 2000}, "prior_mean_tokens": 300}]
+        cfg = write_config(tmp_path, replicated.url, [sim.url], specs,
+                           worker={"concurrency": 8, "heartbeat_ttl_s": 4, "maintenance_interval_s": 0.5,
+                                   "control_interval_s": 0.2})
+        master, replica = redis.Redis(port=replicated.master_port), redis.Redis(port=replicated.replica_port)
+        out = tmp_path / "out" / "D.jsonl"
+        procs = Procs(cfg, tmp_path)
+        try:
+            procs.worker()
+            procs.worker()
+            producer = procs.producer()
+            # every prompt enqueued and some committed, all of it on the replica, before the cut
+            wait_for(lambda: int(replica.hget(keys.stats_key("D"), "enqueued") or 0) == n
+                     and _committed(replica) >= 20, 90, "the run to get going on both")
+            cut_replication(replica)
+            known = _committed(replica)  # all the replica will ever know of the old master's commits
+            wait_for(lambda: _lines(out) >= known + 8, 60, "rows of commits the replica never got, on disk")
+            acknowledged = _committed(master)
+            replicated.kill_master()
+            assert _committed(replica) == known < acknowledged  # acknowledged increments, gone with the master
+            sim.kill()
+            sim.flags = ("--speedup", "4", "--length-mean", "300", "--seed", "7")
+            sim.start()
+            wait_for(lambda: replicated.master_addr() == replicated.replica_port, 60, "the replica promoted")
+            assert producer.wait(180) == 0, procs.log(producer)
+        finally:
+            procs.stop_all()
+            sim.stop()
         logs = "".join(procs.log(p) for p in procs.procs)
         assert "Traceback" not in logs
         conn = connect(replicated.url)
@@ -349,3 +353,4 @@ def test_a_failover_that_loses_acknowledged_commits_is_repaired_by_reconcile(tmp
         assert states["committed"] == n and states["failed"] == 0
     finally:
         replicated.stop()
+        sim.stop()

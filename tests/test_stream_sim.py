@@ -83,7 +83,11 @@ def test_streamed_answers_equal_the_unstreamed_ones_token_for_token(api, increme
         want = plain[pid]
         assert (got.text, got.reasoning, got.completion_tokens, got.prompt_tokens, got.finish_reason) == \
                (want.text, want.reasoning, want.completion_tokens, want.prompt_tokens, want.finish_reason), pid
-        assert len(progress) > 1 and progress == sorted(progress) and progress[-1] == got.completion_tokens
+        assert progress and progress == sorted(progress) and progress[-1] == got.completion_tokens
+    # Progress comes chunk by chunk. A client that falls behind gets chunks merged, as from SGLang (its
+    # tokenizer manager hands a late reader the latest state), so on a loaded machine one answer may come
+    # whole; not all six.
+    assert sum(len(p) for _g, p in streamed.values()) > 2 * len(ids), {k: len(p) for k, (_g, p) in streamed.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +301,9 @@ def test_a_run_cuts_every_loop_at_the_engine_and_keeps_only_whole_answers(tmp_pa
         # chunk: on a loaded machine the simulator's chunks grow) ...
         assert r["loop_onset"] + 384 <= cut["details"]["cut_tokens"] <= r["loop_onset"] + 1000, (r, cut)
         assert cut["completion_tokens"] == cut["details"]["cut_tokens"]
-        # ... and the engine stopped there (/abort_request), far below max_tokens.
-        assert r["finish"] == "abort" and r["completion_tokens"] <= cut["completion_tokens"] + 1000 < 16_000, (r, cut)
+        # ... and the engine stopped there (/abort_request), far below max_tokens: what it made after the cut
+        # is what it decodes while the abort travels (the bound is wide for a loaded machine; not max_tokens).
+        assert r["finish"] == "abort" and r["completion_tokens"] <= cut["completion_tokens"] + 4000 < 8_000, (r, cut)
     kept = rows(run.out / "D.jsonl")
     shapes = {pid: rs[-1]["shape"] for pid, rs in by_pid.items()}
     assert {shapes[row["id"]] for row in kept} == {"normal"}
