@@ -43,7 +43,9 @@ def test_a_batch_with_n_is_expanded_prompt_major_and_mixed_n_is_refused():
             "n": 2, "max_new_tokens": 300}})
         return batch, bad, events
 
-    batch, (bad_status, bad), events = run_sim(scenario, radix_cache=True, instant=True)
+    # Each sample gets a fresh rid, so its length is a fresh draw: a mean far past max_new_tokens makes both
+    # run to 300 (at the default 1,500 one draw in a few hundred stopped short: CI saw 118)
+    batch, (bad_status, bad), events = run_sim(scenario, radix_cache=True, instant=True, length_mean=1e6)
     assert [b["meta_info"]["prompt_tokens"] for b in batch] == [200, 200, 50, 50]
     assert bad_status == 400
     assert bad["error"]["message"] == "The parallel_sample_num should be the same for all samples in sample params."
