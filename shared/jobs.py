@@ -96,6 +96,9 @@ class JobEnd:
     error: str = ""
     skipped: Skip | None = None
     stat: Stat | None = None
+    # Ends as committed (a row, truncated, discarded, a duplicate or already done): finish.lua
+    # checks that the done set has it, and requeues it if a failover lost the commit.
+    committed: bool = False
 
     @property
     def outcome(self) -> str:
@@ -109,7 +112,8 @@ class JobEnd:
         result: dict[str, Any] = {"status": status.value}
         if completion_tokens is not None:
             result["completion_tokens"] = completion_tokens
-        return cls(Ending.FINISHED, result, stat=Stat.ALREADY_DONE if status is ResultStatus.ALREADY_DONE else None)
+        return cls(Ending.FINISHED, result, stat=Stat.ALREADY_DONE if status is ResultStatus.ALREADY_DONE else None,
+                   committed=True)
 
     @classmethod
     def failed(cls, error: str) -> JobEnd:
@@ -256,11 +260,21 @@ def reopen_all(conn: redis.Redis, ds: str, ending: Ending, reason: Stat) -> tupl
             return moved, vanished
 
 
-def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str) -> ScriptCall[bool]:
-    """Record a job's end in RQ's layout and count it; False if we no longer hold it. An abort
-    (``Ending.QUEUED``) is requeue.lua's: the job goes back to the front of its queue."""
+class Finished(enum.IntEnum):
+    """What finish.lua did with a job's end."""
+
+    NOT_OURS = 0    # we no longer hold the job (its lease ran out; its new holder records it)
+    RECORDED = 1
+    LOST_COMMIT = 2  # it ended as committed, but this Redis has no commit (a failover lost it): requeued
+
+
+def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str) -> ScriptCall[Finished]:
+    """Record a job's end in RQ's layout and count it. An abort (``Ending.QUEUED``) is
+    requeue.lua's: the job goes back to the front of its queue."""
     if end.ending is Ending.QUEUED:
-        return requeue(ds, c.member, c.job_id, Stat.ABORTED)
+        call = requeue(ds, c.member, c.job_id, Stat.ABORTED)
+        return ScriptCall(call.script, call.keys, call.args,
+                          lambda r: Finished.RECORDED if call.parse(r) else Finished.NOT_OURS, call.shared)
     if end.stat is not None and end.stat not in ENDING_STATS:
         raise ValueError(f"not an ending counter: {end.stat!r}")
     now = datetime.now(UTC)
@@ -269,8 +283,9 @@ def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str
     error = end.error
     return ScriptCall(
         "finish",
-        [keys.rq_wip_key(ds), *(keys.rq_registry_key(ds, e) for e in _REGISTRIES), keys.stats_key(ds)],
-        [keys.RQ_JOB_PREFIX, keys.RQ_RESULTS_PREFIX, worker_name, RESULT_STREAM_MAXLEN,
+        [keys.rq_wip_key(ds), *(keys.rq_registry_key(ds, e) for e in _REGISTRIES), keys.stats_key(ds),
+         keys.done_key(ds), keys.rq_queue_key(ds), keys.resv_key(ds), keys.reserved_key(ds)],
+        [keys.RQ_JOB_PREFIX, keys.RQ_RESULTS_PREFIX, worker_name, RESULT_STREAM_MAXLEN, JobStatus.QUEUED.value,
          # the item: this job's end
          c.member, c.job_id, end.ending.value, 2 + _REGISTRIES.index(end.ending), utcformat(now),
          f"{now.timestamp() + ttl:.3f}", ttl, result_type,
@@ -279,5 +294,5 @@ def finish(ds: str, c: Claimed, end: JobEnd, started_at: float, worker_name: str
          c.execution_id, f"{started_at:.6f}", f"{now.timestamp():.6f}",
          zlib.compress(error.encode()) if error else "",
          json.dumps({"skipped": end.skipped.value}) if end.skipped else "",
-         end.stat.value if end.stat else ""],
-        lambda r: bool(int(r)), shared=4)
+         end.stat.value if end.stat else "", "1" if end.committed else ""],
+        lambda r: Finished(int(r)), shared=5)

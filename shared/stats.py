@@ -81,6 +81,8 @@ class Stat(enum.StrEnum):
                                        # reserve.lua's mean stays per request
     REQUEUED = "requeued"              # requeue: shutdown or paused dataset
     RECOVERED = "recovered"            # requeue / maintenance: lease ran out (worker died)
+    LOST_COMMIT = "lost_commit"        # finish.lua: ended as committed, but a failover had lost the
+                                       # commit (not in the done set): requeued to run again
     REOPENED = "reopened"              # reopen: skipped jobs requeued once the budget admits them again
     RETRIED = "retried"                # worker: one retry of a request (worker/sglang_client.py)
     RETRIED_FAILED = "retried_failed"  # reopen: `budgetq retry-failed` (shared/control.py)

@@ -50,7 +50,7 @@ _LEGACY_AUTO = {"budget_total", "budget_deadline"}
 # in a snapshot (0 when missing). Where the prompts are now is the ledger (shared/ledger.py).
 COUNT_FIELDS = ("committed", "truncated", "skipped", "failed", "invalid", "duplicate_result", "aborted",
                 "rejected", "requeued", "retried", "recovered", "reopened", "retried_failed", "enqueued",
-                "adopted", "filtered", "discarded", "discard_retried")
+                "adopted", "filtered", "discarded", "discard_retried", "lost_commit")
 # Token counters of the stats hash -> their names in a snapshot's "tokens" object. spent: every token
 # the servers generated (= generated); kept: the rows' completion tokens; what the budget counts is
 # "counted" (kept, or spent, per the dataset's budget_counts: docs/budget.md "Spent and kept").

@@ -18,6 +18,7 @@ from budgetq.shared import budget, jobs, keys
 from budgetq.shared.config import DatasetConfig
 from budgetq.shared.errors import FatalRequestError
 from budgetq.shared.jobs import Skip
+from budgetq.shared.ledger import read_ledgers
 from budgetq.shared.schema import JobPayload, Message, SamplingParams
 from budgetq.shared.scripts import Batcher
 from budgetq.worker.context import JobContext, Slots
@@ -59,11 +60,13 @@ def _payload(i: int) -> dict:
                       sampling=SamplingParams(max_tokens=64)).model_dump(mode="json")
 
 
-async def _flow(redis_url: str, n: int, client: FakeClient, act=None) -> tuple[Recorder, list[Tracked], dict]:
-    """Claim n jobs and run each through run_job; ``act(tracked)`` runs while they are in flight."""
+async def _flow(redis_url: str, n: int, client: FakeClient, act=None,
+                wrap=None) -> tuple[Recorder, list[Tracked], dict]:
+    """Claim n jobs and run each through run_job; ``act(tracked)`` runs while they are in flight;
+    ``wrap(batcher, aconn)`` stands between the job flow and Redis."""
     aconn = aredis.from_url(redis_url)
     try:
-        batch = Batcher(aconn)
+        batch = Batcher(aconn) if wrap is None else wrap(Batcher(aconn), aconn)
         table: dict[str, Tracked] = {}
         wake = asyncio.Event()
         length = LengthModel()
@@ -165,3 +168,59 @@ def test_a_job_cancelled_before_its_task_first_ran_still_ends_and_leaves_the_tab
     # not admitted yet: nothing to release; back at the front of the queue either way
     assert sorted(conn.lrange(keys.rq_queue_key("D"), 0, -1)) == [b"D-p0", b"D-p1"]
     assert conn.zcard(keys.rq_wip_key("D")) == 0 and conn.hlen(keys.resv_key("D")) == 0
+
+
+class LosesCommits:
+    """Redis as a failover leaves it: each commit is acknowledged, then every key is put back as it was
+    before it, which is what a replica that never received the commit holds once it is promoted (the
+    master that acknowledged it having died). What the worker does next lands on that state."""
+
+    def __init__(self, batch: Batcher, aconn) -> None:
+        self.batch, self.aconn = batch, aconn
+        self.lost: list[str] = []
+        # One call at a time, so that putting the keys back undoes the commit and nothing else
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, call):
+        async with self.lock:
+            if call.script != "commit":
+                return await self.batch(call)
+            before = {k: await self.aconn.dump(k) for k in await self.aconn.keys("*")}
+            out = await self.batch(call)
+            await self.aconn.flushdb()  # the test's private server
+            for k, v in before.items():
+                await self.aconn.restore(k, 0, v)
+        self.lost.append(call.args[3])  # commit's first item: the job id
+        return out
+
+
+def test_a_commit_lost_in_a_failover_puts_its_job_back_rather_than_ending_it(conn, redis_url):
+    """The job's commit was acknowledged (COMMITTED), then lost: the Redis its finish reaches has the job
+    running, its reservation held, and no commit. Ending it there would leave the prompt in no state and,
+    its row never collected, in no file (tests/test_sentinel.py's run once ended complete with 159 rows of
+    160). finish.lua puts it back on the queue instead; run again, it commits on the Redis that is left."""
+    _enqueue(conn, [_payload(0), _payload(1)])
+    conn.hset(keys.stats_key("D"), "enqueued", 2)  # as the producer counts them: the ledger's entered
+    wrapped: list[LosesCommits] = []
+
+    def lose(batch, aconn):
+        wrapped.append(LosesCommits(batch, aconn))
+        return wrapped[0]
+
+    recorder, _tracked, table = asyncio.run(_flow(redis_url, 2, FakeClient(), wrap=lose))
+    assert sorted(wrapped[0].lost) == ["D-p0", "D-p1"] and not table
+    assert recorder.processed == 0 and not recorder.outcomes   # nothing recorded as ended
+    for i in (0, 1):
+        assert Job.fetch(f"D-p{i}", connection=conn, serializer=JSONSerializer).get_status() == JobStatus.QUEUED
+    assert sorted(conn.lrange(keys.rq_queue_key("D"), 0, -1)) == [b"D-p0", b"D-p1"]
+    assert conn.zcard(keys.rq_wip_key("D")) == 0 and jobs.registry(FinishedJobRegistry, "D", conn).count == 0
+    assert conn.hlen(keys.resv_key("D")) == 0 and int(conn.get(keys.reserved_key("D")) or 0) == 0
+    assert _stats(conn)["lost_commit"] == 2
+    ledger = read_ledgers(conn, ["D"])["D"]
+    assert (ledger["queued"], ledger["rows"], ledger["unaccounted"]) == (2, 0, 0), ledger
+
+    recorder, _tracked, _table = asyncio.run(_flow(redis_url, 2, FakeClient()))  # on the Redis that is left
+    assert dict(recorder.outcomes) == {"committed": 2}
+    ledger = read_ledgers(conn, ["D"])["D"]
+    assert (ledger["queued"], ledger["rows"], ledger["unaccounted"]) == (0, 2, 0), ledger
+    assert conn.xlen(keys.results_key("D")) == 2 and int(conn.get(keys.used_key("D"))) == 24

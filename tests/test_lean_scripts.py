@@ -39,6 +39,7 @@ def test_finish_of_a_deleted_job_hash_writes_no_hash_and_no_registry_entry(conn)
     q = _queue(conn, 2)
     c0, c1 = run(conn, claim("D", 2, time.time() + 30, "w1"))
     conn.delete(keys.rq_job_key(c0.job_id))
+    conn.sadd(keys.done_key("D"), c0.job_id, c1.job_id)  # committed: finish.lua checks
     assert run(conn, finish("D", c0, JobEnd.done(ResultStatus.COMMITTED), time.time(), "w1"))
     assert run(conn, finish("D", c1, JobEnd.done(ResultStatus.COMMITTED), time.time(), "w1"))
     assert not conn.exists(keys.rq_job_key(c0.job_id))

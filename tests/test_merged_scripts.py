@@ -132,15 +132,19 @@ def _enqueue(conn, n: int, result_ttl: int) -> Queue:
 
 
 def test_merged_finish_records_each_job_in_its_registry(conn):
-    q = _enqueue(conn, 4, 500)
-    c = run(conn, jobs.claim("D", 4, time.time() + 30, "w1"))
-    assert [x.result_ttl for x in c] == [500] * 4
+    q = _enqueue(conn, 5, 500)
+    c = run(conn, jobs.claim("D", 5, time.time() + 30, "w1"))
+    assert [x.result_ttl for x in c] == [500] * 5
     conn.zrem(keys.rq_wip_key("D"), c[3].member)  # its lease ran out: no longer ours
+    conn.sadd(keys.done_key("D"), c[0].job_id, c[3].job_id)  # their commits (finish.lua checks)
+    # c[4] ends as committed, but this Redis has no commit (a failover lost it): back on the queue
     ends = [JobEnd.done(ResultStatus.COMMITTED, 7), JobEnd.failed("HTTP 400"), JobEnd.skip(Skip.EXHAUSTED),
-            JobEnd.done(ResultStatus.COMMITTED, 7)]
+            JobEnd.done(ResultStatus.COMMITTED, 7), JobEnd.done(ResultStatus.COMMITTED, 7)]
     got = run_many(conn, [jobs.finish("D", x, e, time.time(), "w1") for x, e in zip(c, ends, strict=True)],
                    merge=True)
-    assert got == [True, True, True, False]
+    assert got == [jobs.Finished.RECORDED] * 3 + [jobs.Finished.NOT_OURS, jobs.Finished.LOST_COMMIT]
+    assert conn.lrange(keys.rq_queue_key("D"), 0, -1) == [b"D-p4"]
+    assert Job.fetch("D-p4", connection=conn, serializer=JSONSerializer).get_status() == JobStatus.QUEUED
     reg = {k: jobs.registry(k, "D", conn).get_job_ids(cleanup=False)
            for k in (FinishedJobRegistry, FailedJobRegistry, CanceledJobRegistry, StartedJobRegistry)}
     assert reg == {FinishedJobRegistry: ["D-p0"], FailedJobRegistry: ["D-p1"], CanceledJobRegistry: ["D-p2"],
@@ -149,8 +153,8 @@ def test_merged_finish_records_each_job_in_its_registry(conn):
         {"status": "committed", "completion_tokens": 7}
     assert Job.fetch("D-p1", connection=conn, serializer=JSONSerializer).get_status() == JobStatus.FAILED
     st = conn.hgetall(keys.stats_key("D"))
-    assert st == {b"failed": b"1", b"skipped": b"1"}
-    assert q.count == 0
+    assert st == {b"failed": b"1", b"skipped": b"1", b"lost_commit": b"1"}
+    assert q.count == 1
 
 
 class _ReferenceWorker(SimpleWorker):
@@ -177,6 +181,7 @@ def test_a_finished_job_with_result_ttl_0_is_deleted_as_rqs_worker_deletes_it(co
     _enqueue(conn, 3, 0)
     c = run(conn, jobs.claim("D", 3, time.time() + 30, "w1"))
     assert [x.result_ttl for x in c] == [0] * 3
+    conn.sadd(keys.done_key("D"), c[0].job_id, c[2].job_id)  # committed (finish.lua checks)
     ends = [JobEnd.done(ResultStatus.COMMITTED, 7), JobEnd.failed("HTTP 400"), JobEnd.done(ResultStatus.ALREADY_DONE)]
     assert run_many(conn, [jobs.finish("D", x, e, time.time(), "w1") for x, e in zip(c, ends, strict=True)],
                     merge=True) == [True] * 3

@@ -179,7 +179,8 @@ async def _send(ctx: JobContext, t: Tracked, payload: JobPayload, res: Reservati
     elif outcome is Outcome.DISCARDED and why is not None:
         # Finished (the prompt is done, in the ledger's discarded state), not failed: nothing to retry.
         await ctx.recorder.end(t, JobEnd(Ending.FINISHED, {"status": "discarded", "reason": why[0],
-                                                           "completion_tokens": out.completion_tokens}))
+                                                           "completion_tokens": out.completion_tokens},
+                                            committed=True))
     elif outcome is Outcome.DUPLICATE:
         await ctx.recorder.end(t, JobEnd.done(ResultStatus.DUPLICATE))
     else:  # REJECTED: its admission was withdrawn while it ran

@@ -6,16 +6,19 @@ The job flow calls down into this module; it never calls back up into the job fl
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import redis.asyncio as aredis
 
 from budgetq.shared import jobs, keys
-from budgetq.shared.jobs import JobEnd
+from budgetq.shared.jobs import Finished, JobEnd
 from budgetq.shared.retry import retry_redis
 from budgetq.shared.scripts import Batcher
 from budgetq.shared.stats import Stat
 from budgetq.worker.tracked import Tracked
+
+log = logging.getLogger("budgetq.worker")
 
 
 class Recorder:
@@ -33,7 +36,13 @@ class Recorder:
         script call, coalesced with the others of this loop turn. False if we no longer hold
         the job (its lease ran out and it was requeued): its new holder records it."""
         call = jobs.finish(t.ds, t.claimed, end, t.started_at, self._worker)
-        recorded = await retry_redis(lambda: self._batch(call), f"finish {t.job_id}", give_up_after_s=60)
+        done = await retry_redis(lambda: self._batch(call), f"finish {t.job_id}", give_up_after_s=60)
+        if done is Finished.LOST_COMMIT:
+            # The commit was acknowledged, then lost with the master that acknowledged it (a failover
+            # to a replica that lacked it): finish.lua put the job back to run again.
+            log.warning("job %s: its commit is not in Redis (lost in a failover): requeued to run again; "
+                        "`budgetq reconcile` sets used to the rows on disk once the run ends", t.job_id)
+        recorded = done is Finished.RECORDED
         if recorded:
             self.processed += 1
             self.outcomes[end.outcome] += 1

@@ -265,7 +265,7 @@ class FeaturesWorker:
     async def _finish(self, h: _Held, end: jobs.JobEnd) -> bool:
         """Whether this worker's lease still held the job (its ending counts)."""
         call = jobs.finish(keys.features_name(h.ds), h.claimed, end, h.started_at, self.name)
-        if not await arun(self.aconn, call):
+        if await arun(self.aconn, call) is not jobs.Finished.RECORDED:
             return False
         self.processed += end.ending is jobs.Ending.FINISHED
         self.failed += end.ending is jobs.Ending.FAILED

@@ -5,13 +5,21 @@
 -- such a job: nothing is kept, which is what a fleet wants (producer.result_ttl_s).
 -- Only the job's current holder records it: if the entry is gone (the lease ran out and the
 -- job was requeued, maybe running elsewhere), nothing is written.
+-- A job that ends as committed (its item's field 17 is '1') must be in the dataset's done set
+-- here. It is not when its commit was acknowledged by a master that then died before the
+-- replica now promoted had it (replication is asynchronous): the job is then put back on its
+-- queue (its reservation given back), counted lost_commit, and runs again. Recorded instead,
+-- the prompt would be in no ledger state (neither done nor queued nor running) and, if the
+-- collector had not read the lost row yet, in no file either, while the run ended complete.
 -- An item script (shared/scripts.py): one call records one or several jobs of a dataset, in
 -- order; registry entries and stats counters are written once per call.
 -- KEYS: 1 RQ started registry  2 RQ finished registry  3 RQ failed registry
---       4 RQ canceled registry  5 budgetq stats hash of the dataset
+--       4 RQ canceled registry  5 budgetq stats hash of the dataset  6 done set  7 RQ queue list
+--       8 resv  9 reserved
 -- ARGV: 1 RQ job hash key prefix (keys.RQ_JOB_PREFIX)  2 RQ result stream key prefix
 --       3 worker name  4 most entries kept in a result stream (shared.jobs.RESULT_STREAM_MAXLEN)
---       then per item, 16 each:
+--       5 RQ's status of a queued job (JobStatus.QUEUED)
+--       then per item, 17 each:
 --        1 registry member "<job>:<execution>"  2 job id  3 status (finished|failed|canceled)
 --        4 the KEYS index of its registry (2, 3 or 4)  5 ended_at (RQ's date format)
 --        6 registry score  7 ttl (s) of the job hash and result; 0: delete the job
@@ -20,8 +28,10 @@
 --       13 execution ended_at (unix s)  14 exc_info for the job hash (zlib) or ''
 --       15 meta for the job hash (JSON) or ''  16 stats field to count
 --          (shared.stats.ENDING_STATS) or ''
--- Returns one 1 per item if recorded, 0 if this caller no longer holds the job.
-local ITEM = 16
+--       17 '1' if the job ends as committed (its prompt must be in the done set), else ''
+-- Returns one code per item: 1 recorded, 0 this caller no longer holds the job, 2 its commit is
+-- not here (lost in a failover): requeued.
+local ITEM = 17
 local registry = {[2] = {}, [3] = {}, [4] = {}}  -- KEYS index -> {score, member, ...}
 local stats = {}
 
@@ -38,6 +48,19 @@ local function finish(a)
     return 0
   end
   local job_key = ARGV[1] .. a[2]
+  if a[17] == '1' and redis.call('SISMEMBER', KEYS[6], a[2]) == 0 then
+    local held = redis.call('HGET', KEYS[8], a[2])
+    if held then
+      redis.call('HDEL', KEYS[8], a[2])
+      redis.call('DECRBY', KEYS[9], tonumber(held))
+    end
+    if redis.call('EXISTS', job_key) == 1 then
+      redis.call('HSET', job_key, 'status', ARGV[5])
+      redis.call('LPUSH', KEYS[7], a[2])
+    end
+    redis.call('HINCRBY', KEYS[5], 'lost_commit', 1)  -- rare (a failover): not batched with the others
+    return 2
+  end
   local results_key = ARGV[2] .. a[2]
   local ttl = tonumber(a[7])
   if a[16] ~= '' then
@@ -70,7 +93,7 @@ local function finish(a)
 end
 
 local out = {}
-for base = 5, #ARGV, ITEM do
+for base = 6, #ARGV, ITEM do
   out[#out + 1] = finish({unpack(ARGV, base, base + ITEM - 1)})
 end
 for index, members in pairs(registry) do
