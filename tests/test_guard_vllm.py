@@ -1,6 +1,7 @@
 """The degeneration guard on a real engine's streams: vLLM's CPU build serving SmolLM2-135M-Instruct
-(tests/vllm_server.py), the bundled datasets' prompts, answers streamed token by token with vLLM's
-running usage (``stream_options.continuous_usage_stats``), as the worker's stream reader feeds the guard.
+(tests/vllm_server.py; in float32, a server of this module's own), the bundled datasets' prompts,
+answers streamed token by token with vLLM's running usage (``stream_options.continuous_usage_stats``), as
+the worker's stream reader feeds the guard.
 
 - temperature 0.7: 96 ordinary answers; the guard with its defaults cuts none (the false-positive
   corpus's real-engine part: tests/test_guard_corpus.py has the rest);
@@ -22,12 +23,27 @@ import pytest
 from budgetq.shared.config_quality import GuardConfig
 from budgetq.worker.degeneration import CHECK_EVERY, LoopGuard
 from tests.test_guard_corpus import bundled
-from tests.vllm_server import MODEL_NAME
+from tests.vllm_server import MODEL_NAME, SHARED_FLAGS, VllmServer, smollm2_hf_dir
 
 MAX_TOKENS = 256
-# The limit counts the test's own work, not the shared server's start (tests/vllm_server.py bounds that).
+# The limit counts the test's own work, not the server's start (tests/vllm_server.py bounds that).
 pytestmark = pytest.mark.timeout(900, func_only=True)
-ANSWERS = 96   # what two shared CPU cores generate in a few minutes
+ANSWERS = 96   # what two shared CPU cores generate in a few minutes (in float32, below)
+
+
+@pytest.fixture
+def vllm_fp32():
+    """A server of its own in float32 for this module's answers. On a CPU without AVX-512
+    bf16 vLLM's bf16 path is slow: 23.2 tok/s against 112.7 in float32, 16 requests in flight, one server
+    at a time, quiet machine, AVX2 only (/tmp script, this session). The 96 answers (about 19,000 tokens) then
+    took over 900 s in the shared bf16 server during a full suite, and the 24 greedy ones 322 s alone (238 s
+    for the 96 in float32). The guard reads text, so the dtype does not change what these tests check; the
+    shared server stays bf16 for the hidden-state tests."""
+    server = VllmServer(smollm2_hf_dir(), *SHARED_FLAGS, "--dtype", "float32")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def prompts() -> list[str]:
@@ -84,17 +100,17 @@ def tail_cycle(text: str, min_span: int, min_repeats: int, max_period: int = 120
     return None
 
 
-def test_no_false_positive_on_real_answers_at_temperature_0_7(vllm) -> None:
+def test_no_false_positive_on_real_answers_at_temperature_0_7(vllm_fp32) -> None:
     todo = prompts()[:ANSWERS]
-    out = asyncio.run(generate(vllm.url, todo, 0.7, MAX_TOKENS, GuardConfig()))
+    out = asyncio.run(generate(vllm_fp32.url, todo, 0.7, MAX_TOKENS, GuardConfig()))
     assert len(out) == ANSWERS and sum(r["tokens"] for r in out) > ANSWERS * 20
     assert [(r["prompt"], r["verdict"]) for r in out if r["verdict"]] == []
 
 
-def test_real_loops_at_temperature_0_are_cut_near_their_onset(vllm) -> None:
+def test_real_loops_at_temperature_0_are_cut_near_their_onset(vllm_fp32) -> None:
     cfg = GuardConfig(min_span_tokens=64)
     todo = prompts()[:24]
-    out = asyncio.run(generate(vllm.url, todo, 0.0, 384, cfg))
+    out = asyncio.run(generate(vllm_fp32.url, todo, 0.0, 384, cfg))
     def clearly(r: dict) -> tuple[int, int] | None:
         """A cycle at the tail twice as long as the guard's thresholds ask (in this answer's characters
         per token): one the guard must have cut."""
@@ -102,6 +118,7 @@ def test_real_loops_at_temperature_0_are_cut_near_their_onset(vllm) -> None:
         return tail_cycle(r["text"], int(2 * cfg.min_span_tokens * cpt), 2 * cfg.min_repeats)
 
     looping = [(r, c) for r in out if (c := clearly(r))]
+    assert looping, "no answer ended in a clear loop: nothing here checks the guard (4 of 24 in bf16 and float32)"
     uncut = [(r["prompt"], c) for r, c in looping if r["verdict"] is None]
     assert uncut == []
     cut = [r for r in out if r["verdict"] is not None]
