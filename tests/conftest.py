@@ -13,7 +13,16 @@ import redis
 from budgetq.shared.logs import forget_secrets
 from budgetq.simulator.local import LocalRedis, LocalSim
 from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 - hooks (CI=true: no skips)
-from tests.vllm_server import START_TIMEOUT_S, prestart, run_dir, shared_server, stop_shared
+from tests.vllm_server import (
+    SHARED_FLAGS,
+    START_TIMEOUT_S,
+    VllmServer,
+    prestart,
+    run_dir,
+    shared_server,
+    smollm2_hf_dir,
+    stop_shared,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +84,23 @@ def vllm(request):
     """One real vLLM server (its CPU build, SmolLM2-135M) for the whole test run, shared by every
     pytest-xdist process (tests/vllm_server.py ``shared_server``); stopped when the run ends."""
     return shared_server(run_dir(request.config))
+
+
+@pytest.fixture
+def vllm_fp32():
+    """A vLLM server of the test's own, in float32 (SmolLM2-135M), for tests whose claim is about text or
+    timing, not bf16 numerics. On a CPU without AVX-512 BF16 (this machine: AVX2 only) vLLM's bf16 path is
+    about 5x slower: 23.2 tok/s against 112.7 in float32, 16 requests in flight, one server at a time,
+    quiet machine (docs/vllm.md). tests/test_guard_vllm.py's 96 answers at temperature 0.7 took over
+    900 s in the shared bf16 server during a full suite (238 s alone in float32; its 24 greedy answers
+    322 s against 105 s), and the pause test's engine steps were long enough that vLLM was last seen
+    running 1.07 s after the pause (its bound is 1 s). The shared server stays bf16 for the hidden-state
+    tests, whose bounds are bf16's. Its start is outside the tests' func_only timeouts."""
+    server = VllmServer(smollm2_hf_dir(), *SHARED_FLAGS, "--dtype", "float32")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

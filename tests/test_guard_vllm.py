@@ -23,27 +23,12 @@ import pytest
 from budgetq.shared.config_quality import GuardConfig
 from budgetq.worker.degeneration import CHECK_EVERY, LoopGuard
 from tests.test_guard_corpus import bundled
-from tests.vllm_server import MODEL_NAME, SHARED_FLAGS, VllmServer, smollm2_hf_dir
+from tests.vllm_server import MODEL_NAME
 
 MAX_TOKENS = 256
 # The limit counts the test's own work, not the server's start (tests/vllm_server.py bounds that).
 pytestmark = pytest.mark.timeout(900, func_only=True)
-ANSWERS = 96   # what two shared CPU cores generate in a few minutes (in float32, below)
-
-
-@pytest.fixture
-def vllm_fp32():
-    """A server of its own in float32 for this module's answers. On a CPU without AVX-512
-    bf16 vLLM's bf16 path is slow: 23.2 tok/s against 112.7 in float32, 16 requests in flight, one server
-    at a time, quiet machine, AVX2 only (/tmp script, this session). The 96 answers (about 19,000 tokens) then
-    took over 900 s in the shared bf16 server during a full suite, and the 24 greedy ones 322 s alone (238 s
-    for the 96 in float32). The guard reads text, so the dtype does not change what these tests check; the
-    shared server stays bf16 for the hidden-state tests."""
-    server = VllmServer(smollm2_hf_dir(), *SHARED_FLAGS, "--dtype", "float32")
-    try:
-        yield server
-    finally:
-        server.stop()
+ANSWERS = 96   # what two shared CPU cores generate in a few minutes (in float32: conftest.py vllm_fp32)
 
 
 def prompts() -> list[str]:

@@ -1,11 +1,12 @@
 """The vLLM tests' time limit counts their own work, not the shared server's start.
 
 A test that uses the run's vLLM server (the ``vllm`` / ``vllm_alone`` fixtures, test_vllm_features.py's
-``hs_server``) first waits, in its setup, for that server to start: 40 s unloaded, minutes on a loaded 2-core
-machine (tests/vllm_server.py bounds it by START_TIMEOUT_S). pytest-timeout's default counts setup too, so the
-suite's 300 s (pyproject) once failed a test for the start alone; each such module sets
-``pytest.mark.timeout(..., func_only=True)``. Checked here without vLLM: every module that uses one of those
-fixtures sets it, and pytest-timeout then leaves a slow session fixture's setup out of the limit.
+``hs_server``) or one of its own (``vllm_fp32``) first waits, in its setup, for that server to start: 40 s
+unloaded, minutes on a loaded 2-core machine (tests/vllm_server.py bounds it by START_TIMEOUT_S).
+pytest-timeout's default counts setup too, so the suite's 300 s (pyproject) once failed a test for the start
+alone; each such module sets ``pytest.mark.timeout(..., func_only=True)``. Checked here without vLLM: every
+module that uses one of those fixtures sets it, and pytest-timeout then leaves a slow session fixture's setup
+out of the limit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-SERVER_FIXTURES = {"vllm", "vllm_alone", "hs_server"}
+SERVER_FIXTURES = {"vllm", "vllm_alone", "vllm_fp32", "hs_server"}
 
 
 def _uses_server(tree: ast.Module) -> bool:
