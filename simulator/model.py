@@ -37,7 +37,8 @@ class RequestRecord:
     __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
                  "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
                  "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived",
-                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens", "script", "shape", "loop_onset")
+                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens", "script", "shape", "loop_onset",
+                 "max_chunk_tokens")
 
     def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
                  endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
@@ -70,6 +71,10 @@ class RequestRecord:
         self.script: Script | None = None  # the words it writes (simulator/texts.py); set by the runner
         self.shape = "normal"              # normal | loop | empty | unclosed (texts.Shape)
         self.loop_onset: int | None = None # loop: the tokens before its cycle starts
+        # A stream's largest chunk before its final one, in tokens: how far apart the points were where a
+        # streaming client could look at the answer (a late reader or a busy server merges chunks, as SGLang
+        # does). Tests bound where the worker's guard cut a loop by it, not by wall time.
+        self.max_chunk_tokens = 0
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "endpoint": self.endpoint, "arrived": self.arrived, "admitted": self.admitted,
@@ -77,7 +82,8 @@ class RequestRecord:
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "target_tokens": self.target, "reasoning_tokens": min(self.completion_tokens, self.reasoning_target),
                 "input_ids_head": self.input_ids_head, "sampling": self.sampling, "client_gone": self.client_gone,
-                "cached_tokens": self.cached_tokens, "shape": self.shape, "loop_onset": self.loop_onset}
+                "cached_tokens": self.cached_tokens, "shape": self.shape, "loop_onset": self.loop_onset,
+                "max_chunk_tokens": self.max_chunk_tokens}
 
 
 class Engine:

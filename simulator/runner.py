@@ -184,6 +184,7 @@ class Runner:
                 break
             k = sent_at(self.engine.tokens_now(rec), interval)
             if k and k != last:
+                rec.max_chunk_tokens = max(rec.max_chunk_tokens, k - max(last, 0))
                 last = k
                 yield k, False
         # A cut (drop fault) request is still running: the handler closes the connection now.

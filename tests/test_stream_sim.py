@@ -45,6 +45,10 @@ def run(settings: dict, body, **server: Any) -> Any:
     return asyncio.run(with_client(SimSettings(**settings), body, **server))
 
 
+# Tokens past onset + min_span_tokens that the guard may need beyond the chunk's end: its check runs every 32
+# characters (~8 tokens of the simulator's words), it reads the span's tokens off its marks (one check), and the
+# comparison starts a period after the onset.
+CHECK_SLACK_TOKENS = 32
 FAST = {"speedup": 5.0, "length_mean": 300, "length_sigma": 0.5, "stream_interval_s": 0.002}
 
 
@@ -162,6 +166,25 @@ def test_a_guard_verdict_aborts_the_request_at_the_engine_and_returns_the_answer
         # past its onset. The bound that matters is max_tokens: each stopped before a tenth of it.
         assert rec["loop_onset"] < out.completion_tokens <= rec["loop_onset"] + 2000, (out.completion_tokens, rec)
         assert out.completion_tokens <= rec["completion_tokens"] < out.completion_tokens + 2000 < 20_000 // 10 + 2000
+
+
+def test_sim_records_a_streams_largest_chunk_as_the_client_saw_it():
+    """``max_chunk_tokens`` (what the loop-cut tests bound the guard's cut by) is the largest step between two
+    chunks the client got, before the final one: here the first token, then every 7 tokens (stream_interval),
+    merged into larger steps whenever the server's tick found more made."""
+    async def scenario(c, u):
+        body = {"text": "x", "stream": True, "rid": "M1", "sampling_params": {"max_new_tokens": 400,
+                                                                             "stream_interval": 7}}
+        events = await sse(c, u + "/generate", body)
+        _, recs = await get(c, u + "/sim/requests")
+        return events, recs
+
+    events, recs = run_sim(scenario, speedup=5.0, length_mean=1e6, stream_interval_s=0.002)
+    counts = [e["meta_info"]["completion_tokens"] for e in events if e != "[DONE]"]
+    assert counts[-1] == 400 and len(counts) > 5, counts
+    assert all((k - 1) % 7 == 0 for k in counts[:-1]), counts   # SGLang's: token 1, then every 7 (sent_at)
+    steps = [b - a for a, b in zip([0, *counts[:-2]], counts[:-1], strict=True)]
+    assert recs[0]["max_chunk_tokens"] == max(steps), (steps, recs[0])
 
 
 def test_sim_generate_streams_cumulative_by_default_and_deltas_with_incremental_output():
@@ -300,9 +323,14 @@ def test_a_run_cuts_every_loop_at_the_engine_and_keeps_only_whole_answers(tmp_pa
     assert len(loops) >= 5, [r["shape"] for r in records]
     for r in loops:
         cut = discarded[pid_of[r["rid"].split(".")[0]]]["discard"]
-        # The guard's defaults cut a cycle once it spans 384 tokens: within a few hundred of its onset (plus a
-        # chunk: on a loaded machine the simulator's chunks grow) ...
-        assert r["loop_onset"] + 384 <= cut["details"]["cut_tokens"] <= r["loop_onset"] + 1000, (r, cut)
+        # The guard's defaults cut a cycle once it spans 384 tokens. A chat stream gives the guard every chunk,
+        # and the client sees the answer only at chunk ends: the cut lands in the first chunk that ends past
+        # onset + 384 (a check every 32 characters, its token count read off marks: ~8 tokens more). How far
+        # that is in tokens depends on the chunks: on a loaded machine the simulator's grow (a cut once landed
+        # 1,145 tokens past its onset, a chunk of 700), so the bound is the stream's own largest chunk ...
+        slack = CHECK_SLACK_TOKENS + r["max_chunk_tokens"]
+        assert 0 < r["max_chunk_tokens"] and r["loop_onset"] + 384 <= cut["details"]["cut_tokens"], (r, cut)
+        assert cut["details"]["cut_tokens"] <= r["loop_onset"] + 384 + slack, (r, cut)
         assert cut["completion_tokens"] == cut["details"]["cut_tokens"]
         # ... and the engine stopped there (/abort_request), far below max_tokens: what it made after the cut
         # is what it decodes while the abort travels (the bound is wide for a loaded machine; not max_tokens).
