@@ -160,6 +160,34 @@ def test_store_mode_end_to_end_without_tensor_bytes_in_redis(tmp_path, redis_url
         assert len(list((tmp_path / "exp" / "A.specforge-offline").rglob("*.ckpt"))) == 12
 
 
+def test_workers_whose_store_is_not_the_collectors_fail_the_pass_saying_why(tmp_path, redis_url, conn,
+                                                                            sim_factory):
+    """A features worker on a machine without the shared volume writes its shards to a directory of its own:
+    each job is sent again once, then the pass ends (it does not send them without end), exit 1, every row
+    reported failed with its shard and the fix, and the error logged once, not once per sample."""
+    sim = sim_factory("--instant", "--enable-return-hidden-states", "--hidden-size", str(HIDDEN))
+    cfg, store = store_config(tmp_path, redis_url, sim)
+    ids = write_rows(tmp_path / "out", "A", 5)
+    worker_cfg = tmp_path / "worker.yaml"
+    raw = yaml.safe_load(cfg.read_text())
+    raw["features"]["store"] = str(tmp_path / "elsewhere")
+    worker_cfg.write_text(yaml.safe_dump(raw))
+    procs = Procs(worker_cfg, tmp_path)
+    try:
+        procs.start("features-worker")
+        res = run_features(cfg)
+    finally:
+        procs.stop_all()
+    assert res.returncode == 1, res.stdout + res.stderr
+    failed = [line for line in res.stderr.splitlines() if line.startswith("  failed: ")]
+    assert len(failed) == 5 and all("is not in" in line and "features.store must be the collector's directory"
+                                    in line for line in failed), res.stderr
+    assert sum("is not in" in line for line in res.stderr.splitlines() if "failed: " not in line) == 1, res.stderr
+    assert not list(features_dir(store, "A").glob("*.safetensors"))
+    # Each job ran twice (sent again once), and no more: the worker's own directory has two shards per row.
+    assert len(list(features_dir(tmp_path / "elsewhere", "A").glob("w-*.safetensors"))) == 2 * len(ids)
+
+
 def test_worker_sigkilled_between_its_shard_and_its_message(tmp_path, redis_url, conn, sim_factory):
     """The first worker writes a shard and dies before its index message; its job's lease lapses, a second
     worker captures it again: the orphan is indexed or removed, never both copies kept."""

@@ -1,17 +1,14 @@
 """``budgetq features``: the hidden-state pass over what generation committed (docs/hidden_states.md).
 
-Runs where the output disk is (the producer's side: the producer owns the output disk). For
-each dataset it:
+Runs where the output disk is (the producer's side: the producer owns the output disk). For each dataset it:
 - opens the dataset's feature store (hidden_states/store/shards.py), which repairs a crash, and marks
   every sample on disk done in Redis (``bq:{ds}:features:done``);
-- enqueues one features job per committed row not done and not already queued or started
-  (RQ queue ``bq-<ds>-features``, JSON serializer, at most features.high_water queued), while the
-  disk guard lets it;
-- collects the workers' decoded tensors from ``bq:{ds}:features:results``, writes them as shards,
-  then marks them done and deletes their stream entries (in that order: a crash in between
-  leaves entries whose ids the store recognises and drops);
-- requeues jobs whose lease lapsed (a features worker died);
-- exits once every row is captured, failed (reported) or refused by the disk guard. Restart-safe.
+- enqueues one features job per committed row not done and not already queued or started (RQ queue
+  ``bq-<ds>-features``, JSON serializer, at most features.high_water queued), while the disk guard lets it;
+- collects the workers' decoded tensors from ``bq:{ds}:features:results``, writes them as shards, then marks
+  them done and deletes their stream entries (in that order: a crash in between leaves entries it drops);
+- requeues jobs whose lease lapsed (a features worker died); exits once every row is captured, failed
+  (reported, with why) or refused by the disk guard. Restart-safe.
 """
 
 from __future__ import annotations
@@ -80,6 +77,7 @@ class DatasetPass:
     consumed: list[tuple[bytes, int]] = field(default_factory=list)  # stream entries read, not yet deleted
     unmarked: list[tuple[str, int, int]] = field(default_factory=list)  # on disk, not yet done in Redis: id, B, tokens
     relost: set[str] = field(default_factory=set)  # ids whose job Redis lost, enqueued again (_requeue_lost)
+    unstored: dict[str, str] = field(default_factory=dict)  # id -> why its worker's shard was not adopted
     last_result: float = 0.0   # monotonic time of the last stream read that got something
     failed_checked: float = 0.0  # monotonic time of the last _forget_failed
 
@@ -335,12 +333,15 @@ class FeaturesPass:
             self.guard.learn(meta.shape[0], meta.shard_bytes or 0)
         elif verdict == "duplicate":
             p.duplicates += 1  # a retried job's second copy (its shard is deleted)
-        elif verdict == "refused":  # a shard name no worker makes (adopt said so): the job runs again
-            p.outstanding.update({} if p.store.has(meta.id) else {meta.id: len(meta.input_ids)})
-        else:
-            log.error("features %s: %s announced shard %s, which is not in %s: its job runs again", p.ds.name,
-                      meta.id, meta.shard, p.store.dir)
-            p.outstanding[meta.id] = len(meta.input_ids)  # not back: enqueued again once nothing runs
+        elif not p.store.has(meta.id):  # enqueued again once nothing runs; if still not adopted, reported with why
+            why = f"its worker announced a shard name no features worker writes: {meta.shard!r}"  # (logged by adopt)
+            if verdict == "missing":
+                why = (f"its worker's shard {meta.shard!r} is not in {p.store.dir}: the features workers' "
+                       "features.store must be the collector's directory (one shared volume)")
+                if not p.unstored:  # one line, not one per sample of a misconfigured run
+                    log.error("features %s: %s; its job runs again", p.ds.name, why)
+            p.unstored[meta.id] = why
+            p.outstanding[meta.id] = len(meta.input_ids)
 
     def _flush(self, p: DatasetPass) -> None:
         # Kept in p.unmarked until Redis has them: a Redis error here (the producer's capture goes on
@@ -387,7 +388,7 @@ class FeaturesPass:
     def _report(self) -> Report:
         rep = Report(stopped_by="; ".join(r for r in (self.guard.reason, *self.bytes.stopped.values()) if r) or None)
         for p in self.passes:
-            failed = failures(self.conn, p.ds.name, sorted(p.relost - p.store.ids))
+            failed = failures(self.conn, p.ds.name, sorted(p.relost - p.store.ids), p.unstored)
             rep.failed[p.ds.name] = failed
             if p.rows_done and not self.guard.reason and not failed and not self.stop.is_set():
                 self.conn.srem(keys.FEATURES_DATASETS, p.ds.name)

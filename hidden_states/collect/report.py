@@ -25,9 +25,10 @@ class Report:
         return self.stopped_by is None and not any(self.failed.values())
 
 
-def failures(conn: redis.Redis, ds: str, lost: list[str]) -> list[str]:
+def failures(conn: redis.Redis, ds: str, lost: list[str], why: dict[str, str] | None = None) -> list[str]:
     """'<job id>: <last line of the error>' for the dataset's failed features jobs not on disk, then the
-    ``lost`` ids (jobs Redis lost that were enqueued again and still did not come back)."""
+    ``lost`` ids (enqueued again and still not captured): ``why[id]`` where the pass knows it (a worker's shard
+    it could not adopt), else Redis lost the job."""
     name = keys.features_name(ds)
     out = []
     for member in cast(list[bytes], conn.zrange(f"rq:failed:{keys.queue_name(name)}", 0, -1)):
@@ -41,5 +42,5 @@ def failures(conn: redis.Redis, ds: str, lost: list[str]) -> list[str]:
             pass
         lines = (exc or b"").decode(errors="replace").strip().splitlines()
         out.append(f"{jid}: {lines[-1] if lines else 'failed'}")
-    out += [f"{job_id(name, pid)}: lost by Redis, not captured" for pid in lost]
+    out += [f"{job_id(name, pid)}: {(why or {}).get(pid, 'lost by Redis')}, not captured" for pid in lost]
     return out
