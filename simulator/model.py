@@ -35,10 +35,9 @@ class RequestRecord:
     """One request that reached the engine: its timeline and the tokens it got."""
 
     __slots__ = ("rid", "endpoint", "arrived", "prompt_tokens", "input_ids_head", "target", "natural_finish",
-                 "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted",
-                 "first_token", "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived",
-                 "cut_at", "cut", "client_gone", "sampling", "cached_tokens", "script", "shape", "loop_onset",
-                 "max_chunk_tokens")
+                 "reasoning_target", "state", "completion_tokens", "finish", "finished", "admitted", "first_token",
+                 "v_start", "done", "waiter", "dropped", "seq", "abort_message", "_t_arrived", "cut_at", "cut",
+                 "client_gone", "sampling", "cached_tokens", "script", "shape", "loop_onset", "max_chunk_tokens")
 
     def __init__(self, rid: str, prompt_tokens: int, target: int, natural_finish: str = "stop",
                  endpoint: str = "", input_ids_head: list[int] | None = None, reasoning_target: int = 0) -> None:
@@ -71,10 +70,7 @@ class RequestRecord:
         self.script: Script | None = None  # the words it writes (simulator/texts.py); set by the runner
         self.shape = "normal"              # normal | loop | empty | unclosed (texts.Shape)
         self.loop_onset: int | None = None # loop: the tokens before its cycle starts
-        # A stream's largest chunk before its final one, in tokens: how far apart the points were where a
-        # streaming client could look at the answer (a late reader or a busy server merges chunks, as SGLang
-        # does). Tests bound where the worker's guard cut a loop by it, not by wall time.
-        self.max_chunk_tokens = 0
+        self.max_chunk_tokens = 0          # a stream's largest chunk but its last (docs/simulator.md)
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "endpoint": self.endpoint, "arrived": self.arrived, "admitted": self.admitted,
@@ -178,8 +174,7 @@ class Engine:
         if drop_at is not None:
             rec.dropped = True
             rec.cut_at = min(drop_at, rec.target)
-        if self.s.instant:
-            # No time passes, so a dropped request ends at its drop point.
+        if self.s.instant:  # no time passes, so a dropped request ends at its drop point
             rec.admitted = rec.first_token = time.time()
             self._close(rec, (rec.cut_at or 0) if rec.dropped else rec.target,
                         "drop" if rec.dropped else rec.natural_finish, now)
@@ -233,8 +228,7 @@ class Engine:
             self._lp().call_later(delay, self._abort_disconnected, rec)
 
     def _abort_disconnected(self, rec: RequestRecord) -> None:
-        # SGLang sends AbortReq(rid) for it, and the scheduler aborts by prefix: requests whose rid
-        # starts with this one go too.
+        # SGLang sends AbortReq(rid) for it; the scheduler aborts by prefix (rids starting with this one go too)
         if rec.state != DONE:
             self.abort_rid(rec.rid)
 
