@@ -46,6 +46,9 @@ class GatesConfig(Strict):
     # "module:function" called as function(row) with the row as written to out/<ds>.jsonl (a dict);
     # it returns a reason (str) to discard the answer, or None to keep it. Runs in the worker.
     validator: str | None = None
+    # Seconds its import, and each call, may take: one past it fails the job (import) or discards the answer
+    # (call) with that reason; the worker never waits on it (it runs in a thread of its own).
+    validator_timeout_s: float = Field(default=60.0, gt=0, le=86_400)
 
     @field_validator("validator")
     @classmethod

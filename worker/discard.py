@@ -49,10 +49,10 @@ def settings(raw: str) -> Quality:
     return Quality(guard if guard.enabled else None, gates, retry)
 
 
-def reason(out: turns.Result, q: Quality) -> tuple[str, dict[str, Any]] | None:
+async def reason(out: turns.Result, q: Quality) -> tuple[str, dict[str, Any]] | None:
     """(reason, details) when the answer is not to be kept: the guard's cut, else the first gate's
-    (worker/quality.py; a loop at the tail of an answer the guard did not see streamed is one too).
-    Raises quality.ValidatorError when the dataset's validator cannot be imported."""
+    (worker/quality.py; a loop at the tail of an answer the guard did not see streamed is one too), else
+    the dataset's validator's. Raises quality.ValidatorError when the validator cannot be imported."""
     outs = out.outs if isinstance(out, turns.Conversation) else [out]
     for o in outs:
         if o.discard is not None:
@@ -61,6 +61,11 @@ def reason(out: turns.Result, q: Quality) -> tuple[str, dict[str, Any]] | None:
         judged = quality.judge(o, q.gates, q.guard)
         if judged is not None:
             return judged
+    if q.gates is not None and q.gates.validator:
+        for o in outs:
+            why = await quality.validate(q.gates.validator, quality.answer_fields(o), q.gates.validator_timeout_s)
+            if why is not None:
+                return why, {}
     return None
 
 

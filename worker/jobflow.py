@@ -138,7 +138,7 @@ async def _send(ctx: JobContext, t: Tracked, payload: JobPayload, res: Reservati
     q = _quality(ctx, t.ds)
     if q.gates is not None and q.gates.validator:
         try:  # before the request: an answer no validator can judge would be generated for nothing
-            quality.load_validator(q.gates.validator)
+            await quality.load(q.gates.validator, q.gates.validator_timeout_s)
         except quality.ValidatorError as exc:
             ctx.slots.release()
             _log_validator_once(str(exc))
@@ -159,7 +159,7 @@ async def _send(ctx: JobContext, t: Tracked, payload: JobPayload, res: Reservati
     t.phase = Phase.COMMITTING
     turns.observe(ctx.length, out)  # per request, also for a conversation
     row = build_row(payload, out, ctx.client.model).model_dump_json()
-    why = discard.reason(out, q)  # its validator was imported before the request
+    why = await discard.reason(out, q)  # its validator was imported before the request
     retry = False
     if why is not None:
         retry = attempt <= q.retry_discarded

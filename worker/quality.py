@@ -10,17 +10,24 @@ Reasons, checked in this order (the first one found is the answer's):
                       for answers that were not streamed, or ended between two checks of the stream
   validator:<text>    the dataset's ``gates.validator`` (module:function) returned <text>
 
-The user's validator is imported once per process (and by the producer at start, so a wrong name
-stops ``budgetq produce`` / ``budgetq check`` with one line before anything is generated).
+The user's validator is imported once per process (the producer only looks for its module at start, so a
+wrong name is said before anything is generated). Its import and its calls run in threads of their own, each
+within ``gates.validator_timeout_s``: user code that hangs (a network call, a deadlock, an import that waits
+on something) must not freeze the worker's event loop, which runs every other job and the heartbeats. The
+threads are daemons, so a hung one cannot keep the process from exiting.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import json
 import logging
+import threading
+import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from budgetq.shared.config_quality import GatesConfig, GuardConfig
@@ -32,6 +39,9 @@ log = logging.getLogger("budgetq.worker")
 Validator = Callable[[dict[str, Any]], "str | None"]
 # A validator's reason is kept to this many characters (it is a reason, not a report).
 REASON_CHARS = 200
+# Calls of one validator running at once, at most: an answer waits for one to return (within its time
+# limit), so a validator that hangs on every answer holds this many threads, not one per answer.
+THREADS_MAX = 8
 
 
 class ValidatorError(Exception):
@@ -40,7 +50,8 @@ class ValidatorError(Exception):
 
 @functools.lru_cache(maxsize=32)
 def load_validator(spec: str) -> Validator:
-    """``module:function`` imported once per process; ValidatorError (one line) when it cannot be."""
+    """``module:function`` imported once per process; ValidatorError (one line) when it cannot be. Blocks:
+    the worker calls ``load`` (in a thread, within the time limit)."""
     module_name, _, func_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -51,6 +62,51 @@ def load_validator(spec: str) -> Validator:
     if not callable(func):
         raise ValidatorError(f"gates.validator {spec}: {module_name} has no function {func_name}")
     return func
+
+
+_imports: dict[str, Future] = {}     # spec -> its one import, shared by every job waiting for it
+_hung: dict[str, str] = {}           # spec -> why it cannot be used: its import passed the time limit
+_running: dict[str, int] = {}        # spec -> calls running (a hung one for good)
+_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = \
+    weakref.WeakKeyDictionary()      # per event loop (the worker has one; tests make several)
+_lock = threading.Lock()
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting job, never lost
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="validator", daemon=True).start()
+    return fut
+
+
+async def _within(fut: Future, timeout_s: float) -> Any:
+    # shield: a job that stops waiting must not cancel what other jobs wait for too
+    return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout_s)
+
+
+async def load(spec: str, timeout_s: float) -> Validator:
+    """The validator, imported once per process within ``timeout_s``; ValidatorError (one line) when it
+    cannot be, for good once an import hung (it holds the module's import lock: no second try can pass)."""
+    with _lock:
+        if spec in _hung:
+            raise ValidatorError(_hung[spec])
+        fut = _imports.get(spec)
+        if fut is None:
+            fut = _imports[spec] = _in_thread(load_validator, spec)
+    try:
+        return await _within(fut, timeout_s)
+    except TimeoutError:
+        why = (f"gates.validator {spec}: importing {spec.partition(':')[0]} did not finish within {timeout_s:g} s "
+               "(gates.validator_timeout_s)")
+        with _lock:
+            _hung.setdefault(spec, why)
+        raise ValidatorError(why) from None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -85,9 +141,9 @@ def answer_fields(out: Completion) -> dict[str, Any]:
 
 
 def check(completion: Completion, gates: GatesConfig | None, guard: GuardConfig | None = None) -> str | None:
-    """The reason a finished answer is not kept, or None. ``guard``: also look for a loop at the
-    tail (an answer not streamed through the guard). Raises ValidatorError when the validator
-    cannot be imported (the job fails with that one line: no answer is judged without it)."""
+    """The reason the built-in gates do not keep a finished answer, or None. ``guard``: also look for a loop
+    at the tail (an answer not streamed through the guard). The dataset's validator is asked after them,
+    by ``validate`` (it runs in a thread, within its time limit)."""
     judged = judge(completion, gates, guard)
     return None if judged is None else judged[0]
 
@@ -110,9 +166,6 @@ def judge(completion: Completion, gates: GatesConfig | None,
         verdict = degeneration.scan(text, completion.completion_tokens, guard, reasoning=completion.reasoning or "")
         if verdict is not None:
             return "loop", verdict.details()
-    if gates is not None and gates.validator:
-        why = _validate(gates.validator, answer_fields(completion))
-        return None if why is None else (why, {})
     return None
 
 
@@ -124,20 +177,48 @@ def _unclosed(out: Completion, content: str, reasoning: str | None) -> bool:
     return bool(out.reasoning.strip()) and not content.strip()
 
 
-def _validate(spec: str, fields: dict[str, Any]) -> str | None:
-    func = load_validator(spec)
+async def validate(spec: str, fields: dict[str, Any], timeout_s: float) -> str | None:
+    """``validator:<reason>`` when the dataset's validator refuses the answer ``fields``, else None. It raises,
+    or gives no verdict within ``timeout_s`` (a free thread and the call, together): the answer is discarded
+    with that reason (nothing silently kept or dropped), logged once per distinct message. ValidatorError when
+    it cannot be imported."""
+    func = await load(spec, timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    slots = _slots.setdefault(loop, {}).setdefault(spec, asyncio.Semaphore(THREADS_MAX))
     try:
-        result = func(fields)
+        await asyncio.wait_for(slots.acquire(), timeout_s)
+    except TimeoutError:
+        return _refused(spec, f"not called: its {THREADS_MAX} calls running did not return within {timeout_s:g} s")
+    with _lock:
+        _running[spec] = _running.get(spec, 0) + 1
+    fut = _in_thread(func, fields)
+    fut.add_done_callback(lambda _f: _returned(loop, slots, spec))
+    try:
+        result = await _within(fut, max(0.0, deadline - loop.time()))
+    except TimeoutError:
+        return _refused(spec, f"did not return within {timeout_s:g} s (gates.validator_timeout_s)")
     except Exception as exc:
-        # The validator itself failed on this answer: discarded with that reason (nothing silently
-        # kept or dropped), logged once per distinct message.
-        why = f"raised {type(exc).__name__}: {_one_line(exc)}"
-        _log_once(spec, why)
-        return f"validator:{why}"[:REASON_CHARS + 10]
+        return _refused(spec, f"raised {type(exc).__name__}: {_one_line(exc)}")
     if result is None or result == "" or result is False:
         return None
     text = " ".join(str(result).split())[:REASON_CHARS] or "refused"
     return f"validator:{text}"
+
+
+def _returned(loop: asyncio.AbstractEventLoop, slots: asyncio.Semaphore, spec: str) -> None:
+    # in the call's thread: the slot is given back on the loop's own thread
+    with _lock:
+        _running[spec] -= 1
+    try:
+        loop.call_soon_threadsafe(slots.release)
+    except RuntimeError:  # the loop closed meanwhile (the worker stopped): nothing waits for the slot
+        pass
+
+
+def _refused(spec: str, why: str) -> str:
+    _log_once(spec, why)
+    return f"validator:{why}"[:REASON_CHARS + 10]
 
 
 @functools.lru_cache(maxsize=256)
