@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import json
 import sys
 import textwrap
@@ -130,6 +131,17 @@ def test_a_validator_that_cannot_be_used_is_one_line(validators) -> None:
             verdict(answer("4"), GatesConfig(validator=spec))
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith(f"gates.validator {spec}: ") and words in msg
+
+
+def test_a_validator_that_could_not_be_imported_is_tried_again_by_the_next_job(validators, tmp_path) -> None:
+    """Installed while the worker runs (then `budgetq retry-failed`): the next job imports it."""
+    gates = GatesConfig(validator="late_mod_39:f")
+    with pytest.raises(quality.ValidatorError):
+        verdict(answer("4"), gates)
+    (tmp_path / "late_mod_39.py").write_text("def f(answer):\n    return 'late but here'\n")
+    importlib.invalidate_caches()
+    assert verdict(answer("4"), gates) == "validator:late but here"
+    sys.modules.pop("late_mod_39", None)
 
 
 def test_a_validator_that_raises_discards_the_answer_with_why(validators, caplog) -> None:

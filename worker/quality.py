@@ -92,13 +92,16 @@ async def _within(fut: Future, timeout_s: float) -> Any:
 
 async def load(spec: str, timeout_s: float) -> Validator:
     """The validator, imported once per process within ``timeout_s``; ValidatorError (one line) when it
-    cannot be, for good once an import hung (it holds the module's import lock: no second try can pass)."""
+    cannot be: tried again by the next job, but never once an import hung (it holds the module's import
+    lock: no second try could pass)."""
     with _lock:
         if spec in _hung:
             raise ValidatorError(_hung[spec])
         fut = _imports.get(spec)
         if fut is None:
             fut = _imports[spec] = _in_thread(load_validator, spec)
+    if fut.done() and fut.exception() is None:
+        return fut.result()   # every job asks: no thread hop once it is imported
     try:
         return await _within(fut, timeout_s)
     except TimeoutError:
@@ -107,6 +110,11 @@ async def load(spec: str, timeout_s: float) -> Validator:
         with _lock:
             _hung.setdefault(spec, why)
         raise ValidatorError(why) from None
+    except ValidatorError:
+        with _lock:   # the next job tries again: the module may be installed meanwhile (retry-failed)
+            if _imports.get(spec) is fut:
+                del _imports[spec]
+        raise
 
 
 def _one_line(exc: BaseException) -> str:
