@@ -142,13 +142,13 @@ def sim_get(sim: str, path: str):
         return json.loads(resp.read())
 
 
-def http_get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str, str]:
+def http_get(url: str, auth: tuple[str, str] | None = None, timeout_s: float = 10) -> tuple[int, str, str]:
     """(status, content type, body) of a GET, with optional HTTP basic auth; errors are answers too."""
     req = urllib.request.Request(url)
     if auth:
         req.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()
